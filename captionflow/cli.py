@@ -1,0 +1,109 @@
+"""The ``captionflow`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import typing
+
+from captionflow.config import RunConfig, load_config
+
+
+def _add_config_options(p: argparse.ArgumentParser) -> None:
+    """One option per RunConfig field (--max-tokens, ...), help text from the field's description."""
+    for name, field in RunConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_ = (field.title or name) + (f": {field.description}" if field.description else "")
+        ann = field.annotation
+        args = typing.get_args(ann)
+        base = next((a for a in args if a is not type(None)), ann) if args else ann
+        if base is bool:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif typing.get_origin(base) is typing.Literal:
+            p.add_argument(flag, dest=name, choices=typing.get_args(base), default=None, help=help_)
+        elif name == "engine_kwargs":
+            p.add_argument(flag, dest=name, type=json.loads, default=None, help=help_ + " (JSON object)")
+        else:
+            p.add_argument(flag, dest=name, type=base if base in (int, float) else str, default=None,
+                           help=f"{help_} (default: {field.default!r})" if field.default is not None else help_)
+
+
+def _summary_text(s: dict) -> str:
+    c, m, t = s["counts"], s["metrics"], s["timings_s"]
+    ref = m.get("reference") or {}
+    lines = [
+        "captionflow run finished",
+        f"  dataset   {s['dataset_dir']}" + ("  (preprocessed earlier: reused)" if s.get("preprocess_skipped") else ""),
+        f"  run       {s['run_dir']}",
+        f"  images    {c['total']} listed: {c['accepted']} accepted, {c['quarantined']} quarantined, "
+        f"{c['duplicates']} duplicates",
+        f"  captions  {c['captioned']} captioned, {c['failed']} failed"
+        + (f" ({s['resumed_from']} from an earlier run)" if s.get("resumed_from") else ""),
+        f"  metrics   " + ", ".join(f"{k} {ref[k]:.4f}" for k in ("bleu_4", "rouge_l", "cider") if k in ref)
+        + f", mean words {m['stats']['words']['mean']:.1f}",
+        f"  time      " + ", ".join(f"{k} {v}s" for k, v in t.items()),
+        f"  report    {s['report']}",
+    ]
+    return "\n".join(lines)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from captionflow.model_source import ModelError
+    from tasks.ingest import DatasetError
+
+    overrides = {k: getattr(args, k) for k in RunConfig.model_fields}
+    try:
+        cfg = load_config(args.config, **overrides)
+    except (ValueError, OSError) as e:
+        print(f"captionflow: invalid parameters: {e}", file=sys.stderr)
+        return 2
+    from flows.caption_flow import caption_flow
+
+    try:
+        summary = caption_flow(config=cfg)
+    except (ModelError, DatasetError) as e:
+        print(f"captionflow: {e}", file=sys.stderr)
+        return 2
+    print(_summary_text(summary))
+    if args.summary_json:
+        with open(args.summary_json, "w", encoding="utf-8") as fh:
+            json.dump(summary, fh, indent=2, sort_keys=True, default=str)
+    return 0
+
+
+def cmd_build_model(args: argparse.Namespace) -> int:
+    from captionflow.builtin_model import build_builtin_model, ensure_builtin_model
+
+    print(build_builtin_model(args.dir) if args.dir else ensure_builtin_model())
+    return 0
+
+
+def cmd_demo_data(args: argparse.Namespace) -> int:
+    from captionflow.demo_data import build_demo_dataset, ensure_demo_dataset
+
+    print(build_demo_dataset(args.dir) if args.dir else ensure_demo_dataset())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="captionflow", description="Batch image captioning and VLM checkpoint evaluation.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the flow: ingest, preprocess, inference, evaluate")
+    run.add_argument("--config", help="YAML file of parameters (command-line options win)")
+    run.add_argument("--summary-json", help="also write the run summary as JSON here")
+    _add_config_options(run)
+    run.set_defaults(func=cmd_run)
+    bm = sub.add_parser("build-model", help="build the built-in tiny model (into the cache, or DIR)")
+    bm.add_argument("dir", nargs="?")
+    bm.set_defaults(func=cmd_build_model)
+    dd = sub.add_parser("demo-data", help="assemble the demo dataset (into the cache, or DIR)")
+    dd.add_argument("dir", nargs="?")
+    dd.set_defaults(func=cmd_demo_data)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

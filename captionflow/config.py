@@ -1,0 +1,82 @@
+"""The run parameters: one typed model shared by the CLI, a YAML config file and the Prefect UI form."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_OUTPUT = "./captionflow-out"
+DEFAULT_PROMPT = "Describe this image in one sentence."
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant that writes short, factual image captions."
+
+
+class RunConfig(BaseModel):
+    """Everything one captionflow run needs. Unset engine fields are filled by the device preset."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    dataset: str = Field(
+        "demo", title="Dataset",
+        description="'demo' (the built-in golden set) or a folder of images (local path or fsspec URI).")
+    output: str = Field(
+        DEFAULT_OUTPUT, title="Output root",
+        description="Storage root for datasets/, runs/ and the leaderboard: a local path or any fsspec URI.")
+    model: str = Field(
+        "builtin", title="Model",
+        description="'builtin' (tiny random Qwen2-VL built locally; captions are meaningless) or a "
+                    "local folder with a Hugging Face VLM checkpoint.")
+    device: Literal["auto", "cpu", "gpu"] = Field(
+        "auto", title="Device", description="Which preset sizes the engine: 'auto' picks 'gpu' when Ray sees a GPU.")
+    system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, title="System prompt")
+    prompt: str = Field(DEFAULT_PROMPT, title="User prompt", description="Text sent with each image.")
+    max_tokens: int = Field(32, ge=1, title="Max new tokens per caption")
+    temperature: float = Field(0.0, ge=0.0, title="Sampling temperature (0 = greedy)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, title="Top-p")
+    seed: int = Field(0, title="Sampling seed")
+    max_image_side: int = Field(
+        448, ge=28, title="Longest image side (px)",
+        description="Preprocess bounds every image's longest side to this (the vision-token budget).")
+    max_pixels: Optional[int] = Field(
+        None, title="Max pixels seen by the model",
+        description="Passed to the model's image processor (mm_processor_kwargs). Default: the preset's.")
+    batch_size: Optional[int] = Field(None, ge=1, title="Rows per Ray Data batch")
+    concurrency: Optional[int] = Field(None, ge=1, title="Engine replicas")
+    max_concurrent_batches: Optional[int] = Field(None, ge=1, title="Batches in flight per engine replica")
+    max_num_seqs: Optional[int] = Field(None, ge=1, title="vLLM max_num_seqs")
+    max_model_len: Optional[int] = Field(None, ge=64, title="vLLM max_model_len")
+    tensor_parallel_size: int = Field(1, ge=1, title="Tensor parallel size")
+    accelerator_type: Optional[str] = Field(None, title="Ray accelerator type (e.g. H100)")
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict, title="Extra vLLM engine kwargs", description="Passed through to vLLM; wins over the preset.")
+    ray_address: Optional[str] = Field(
+        None, title="Ray address", description="An existing Ray cluster (else RAY_ADDRESS, else a local Ray).")
+    ray_num_cpus: Optional[int] = Field(
+        None, ge=1, title="Logical CPUs for a local Ray",
+        description="Default: enough for every pipeline stage to be placed at once (see README: resource sizing).")
+    force_preprocess: bool = Field(False, title="Rebuild the preprocessed dataset even if it exists")
+    shard_rows: int = Field(256, ge=1, title="Rows per Parquet shard")
+    row_retries: int = Field(2, ge=0, title="Extra passes over rows whose inference failed")
+
+    def generation_params(self) -> dict[str, Any]:
+        """What decides the generated text besides dataset and model (the generation fingerprint)."""
+        return {
+            "system_prompt": self.system_prompt, "prompt": self.prompt, "max_tokens": self.max_tokens,
+            "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
+        }
+
+
+def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> RunConfig:
+    """Build a RunConfig from an optional YAML file, then explicit overrides (None values ignored)."""
+    data: dict[str, Any] = {}
+    if path:
+        import yaml
+
+        with open(path, encoding="utf-8") as fh:
+            loaded = yaml.safe_load(fh) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config file {path}: expected a mapping of parameters, got {type(loaded).__name__}")
+        data.update(loaded)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return RunConfig(**data)

@@ -1,0 +1,135 @@
+"""Decode, check and normalise one image. Pure functions: the ingest/preprocess stages map them.
+
+An input either normalises to RGB JPEG bytes or is rejected with a reason from REASONS.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+# The quarantine vocabulary: every rejected input carries exactly one of these.
+REASONS = {
+    "empty_file": "the file has zero bytes",
+    "unreadable": "the file could not be read from storage",
+    "not_an_image": "no image format recognised from the content (e.g. HTML, text, random bytes)",
+    "decode_error": "the header parsed but the pixels did not decode (truncated or corrupt)",
+    "too_many_pixels": "width x height exceeds the pixel budget (decompression-bomb guard), checked before decoding",
+    "too_small": "the shorter side is below the minimum the model's processor accepts",
+    "extreme_aspect_ratio": "long side / short side exceeds what the model's processor accepts (Qwen2-VL: 200)",
+    "duplicate": "same content hash as an input already accepted (kept once; detail names it)",
+}
+
+MAX_INPUT_PIXELS = 64_000_000  # checked on the header, before any pixel is decoded
+MIN_SIDE = 8
+MAX_ASPECT_RATIO = 200.0
+JPEG_QUALITY = 95
+
+# PIL's own bomb check raises/warns at its own limit; ours is explicit and applied first.
+Image.MAX_IMAGE_PIXELS = None
+
+
+@dataclass
+class Normalised:
+    image_id: str
+    data: bytes  # RGB JPEG
+    width: int
+    height: int
+    orig_format: str
+    orig_width: int
+    orig_height: int
+
+
+class Rejected(Exception):
+    def __init__(self, reason: str, detail: str):
+        assert reason in REASONS, reason
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def content_id(data: bytes) -> str:
+    """Stable image id: the content hash of the original bytes."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _to_rgb(im: Image.Image) -> Image.Image:
+    if im.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        import numpy as np
+
+        arr = np.asarray(im, dtype=np.float64)
+        lo, hi = float(arr.min()), float(arr.max())
+        scale = 255.0 / (hi - lo) if hi > lo else 0.0
+        im = Image.fromarray(((arr - lo) * scale).clip(0, 255).astype("uint8"), mode="L")
+    elif im.mode == "F":
+        import numpy as np
+
+        arr = np.asarray(im, dtype=np.float64)
+        lo, hi = float(arr.min()), float(arr.max())
+        im = Image.fromarray(((arr - lo) / ((hi - lo) or 1.0) * 255).astype("uint8"), mode="L")
+    if im.mode == "P":
+        im = im.convert("RGBA" if "transparency" in im.info else "RGB")
+    if im.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = im.convert("RGBA")
+        background = Image.new("RGB", rgba.size, (255, 255, 255))
+        background.paste(rgba, mask=rgba.getchannel("A"))
+        return background
+    return im.convert("RGB")
+
+
+def normalise_image(data: bytes, max_side: int, max_input_pixels: int = MAX_INPUT_PIXELS) -> Normalised:
+    """Check and normalise one encoded image. Raises Rejected with a reason from REASONS."""
+    if not data:
+        raise Rejected("empty_file", "0 bytes")
+    try:
+        im = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise Rejected("not_an_image", f"no image format recognised; content starts {data[:24]!r}") from None
+    except Exception as e:  # PIL raises various errors on a broken header
+        raise Rejected("decode_error", f"{type(e).__name__}: {e}"[:300]) from None
+    fmt = im.format or "unknown"
+    w, h = im.size
+    if w * h > max_input_pixels:
+        raise Rejected("too_many_pixels", f"{w}x{h} = {w * h} pixels > budget {max_input_pixels}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            im.seek(0)  # first frame of animated / multi-page files
+            im.load()
+            im = ImageOps.exif_transpose(im) or im
+            rgb = _to_rgb(im)
+    except Rejected:
+        raise
+    except Exception as e:
+        raise Rejected("decode_error", f"{fmt}: {type(e).__name__}: {e}"[:300]) from None
+    w2, h2 = rgb.size
+    if min(w2, h2) < MIN_SIDE:
+        raise Rejected("too_small", f"{w2}x{h2}: shorter side < {MIN_SIDE} px")
+    if max(w2, h2) / min(w2, h2) > MAX_ASPECT_RATIO:
+        raise Rejected("extreme_aspect_ratio", f"{w2}x{h2}: ratio > {MAX_ASPECT_RATIO:g}")
+    if max(w2, h2) > max_side:
+        rgb.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
+    out = io.BytesIO()
+    rgb.save(out, format="JPEG", quality=JPEG_QUALITY)
+    return Normalised(
+        image_id=content_id(data), data=out.getvalue(), width=rgb.size[0], height=rgb.size[1],
+        orig_format=fmt, orig_width=w, orig_height=h,
+    )
+
+
+def data_url(jpeg: bytes) -> str:
+    import base64
+
+    return "data:image/jpeg;base64," + base64.b64encode(jpeg).decode("ascii")
+
+
+def check_image(data: bytes, max_side: int) -> tuple[Optional[Normalised], Optional[Rejected]]:
+    try:
+        return normalise_image(data, max_side), None
+    except Rejected as r:
+        return None, r

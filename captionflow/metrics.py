@@ -1,0 +1,94 @@
+"""Caption metrics: reference-free statistics and COCO reference metrics (pycocoevalcap scorers)."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from typing import Iterable
+
+# The punctuation PTBTokenizer (pycocoevalcap.tokenizer) removes after tokenising.
+_PUNCT = {"''", "'", "``", "`", "-LRB-", "-RRB-", "-LCB-", "-RCB-", ".", "?", "!", ",", ":", "-", "--",
+          "...", ";"}
+_TOKEN = re.compile(r"[a-z0-9]+(?:'[a-z]+)?|[^\sa-z0-9]")
+
+
+def simple_tokenize(text: str) -> str:
+    """Lower-case, split words from punctuation, drop PTB's punctuation set; no Java needed."""
+    toks = _TOKEN.findall(text.lower())
+    return " ".join(t for t in toks if t not in _PUNCT)
+
+
+def reference_metrics(captions: dict[str, str], references: dict[str, list[str]]) -> tuple[dict, dict]:
+    """BLEU-1..4, ROUGE-L and CIDEr-D-style CIDEr over the images that have references.
+
+    Returns (aggregate, per_image) where per_image maps image_id -> {metric: score}. All images
+    are scored in one call per metric (CIDEr's IDF comes from the whole reference set).
+    """
+    from pycocoevalcap.bleu.bleu import Bleu
+    from pycocoevalcap.cider.cider import Cider
+    from pycocoevalcap.rouge.rouge import Rouge
+
+    ids = sorted(i for i in captions if references.get(i))
+    if not ids:
+        return {}, {}
+    gts = {i: [simple_tokenize(r) for r in references[i]] for i in ids}
+    res = {i: [simple_tokenize(captions[i])] for i in ids}
+    agg: dict[str, float] = {}
+    per: dict[str, dict] = {i: {} for i in ids}
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):  # Bleu prints its internals
+        bleu, bleu_each = Bleu(4).compute_score(gts, res)
+    for n in range(4):
+        agg[f"bleu_{n + 1}"] = float(bleu[n])
+        for i, v in zip(ids, bleu_each[n]):
+            per[i][f"bleu_{n + 1}"] = float(v)
+    for name, scorer in (("rouge_l", Rouge()), ("cider", Cider())):
+        score, each = scorer.compute_score(gts, res)
+        agg[name] = float(score)
+        for i, v in zip(ids, each):
+            per[i][name] = float(v)
+    agg["n_scored"] = len(ids)
+    return agg, per
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return float(s[lo] + (s[hi] - s[lo]) * (k - lo))
+
+
+def repetition(text: str, n: int = 3) -> float:
+    """Share of repeated word n-grams in one caption (0 = none repeated)."""
+    words = simple_tokenize(text).split()
+    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+def length_stats(captions: Iterable[str], finish_reasons: Iterable[str], n_failed: int) -> dict:
+    caps = list(captions)
+    reasons = list(finish_reasons)
+    words = [len(simple_tokenize(c).split()) for c in caps]
+    chars = [len(c) for c in caps]
+    vocab = {w for c in caps for w in simple_tokenize(c).split()}
+    n = len(caps)
+    total = n + n_failed
+
+    def dist(v: list[int]) -> dict:
+        return {"mean": statistics.fmean(v) if v else 0.0, "p5": _pct(v, 0.05), "median": _pct(v, 0.5),
+                "p95": _pct(v, 0.95), "max": max(v) if v else 0}
+
+    return {
+        "n_captions": n,
+        "words": dist(words),
+        "chars": dist(chars),
+        "empty_rate": sum(1 for c in caps if not c.strip()) / n if n else 0.0,
+        "truncated_rate": sum(1 for r in reasons if r == "length") / n if n else 0.0,
+        "repetition_rate": statistics.fmean(repetition(c) for c in caps) if caps else 0.0,
+        "vocabulary_size": len(vocab),
+        "failure_rate": n_failed / total if total else 0.0,
+    }

@@ -1,0 +1,103 @@
+"""Storage on any fsspec URI (local path or s3://): atomic writes, JSON and Parquet helpers.
+
+Every output is committed atomically: written to a temporary name and renamed on a local disk,
+one PUT on an object store. Readers therefore never see a half-written shard, and a file that
+exists is a finished one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import posixpath
+import uuid
+from typing import Any, Iterable
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.core import url_to_fs
+
+
+class Store:
+    """A storage root: ``Store("./out")`` or ``Store("s3://bucket/prefix")``."""
+
+    def __init__(self, root: str, **storage_options: Any):
+        if "://" not in root:
+            root = os.path.abspath(os.path.expanduser(root))
+        self.fs, self.root = url_to_fs(root, **storage_options)
+        self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        self.is_local = self.protocol in ("file", "local")
+        self.uri = root
+
+    def path(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts)
+
+    def url(self, *parts: str) -> str:
+        p = self.path(*parts)
+        return p if self.is_local else f"{self.protocol}://{p}"
+
+    def exists(self, *parts: str) -> bool:
+        return self.fs.exists(self.path(*parts))
+
+    def ls(self, *parts: str, suffix: str = "") -> list[str]:
+        """Full paths under a folder, sorted; empty when the folder does not exist."""
+        p = self.path(*parts)
+        if not self.fs.exists(p):
+            return []
+        return sorted(x for x in self.fs.ls(p, detail=False) if x.endswith(suffix))
+
+    def write_bytes(self, data: bytes, *parts: str) -> str:
+        """Atomically write ``data``; returns the path."""
+        p = self.path(*parts)
+        if self.is_local:
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            tmp = f"{p}.tmp-{uuid.uuid4().hex}"
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, p)
+        else:
+            self.fs.pipe_file(p, data)  # one PUT: visible whole or not at all
+        return p
+
+    def read_bytes(self, *parts: str) -> bytes:
+        return self.fs.cat_file(self.path(*parts))
+
+    def write_json(self, obj: Any, *parts: str) -> str:
+        return self.write_bytes((json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode(), *parts)
+
+    def read_json(self, *parts: str) -> Any:
+        return json.loads(self.read_bytes(*parts))
+
+    def write_text(self, text: str, *parts: str) -> str:
+        return self.write_bytes(text.encode("utf-8"), *parts)
+
+    def write_table(self, table: pa.Table, *parts: str) -> str:
+        """Atomically write one Parquet file."""
+        buf = io.BytesIO()
+        pq.write_table(table, buf, compression="zstd")
+        return self.write_bytes(buf.getvalue(), *parts)
+
+    def read_table(self, path: str, columns: Iterable[str] | None = None) -> pa.Table:
+        """Read one Parquet file given its full path (as returned by ``ls``)."""
+        with self.fs.open(path, "rb") as fh:
+            return pq.read_table(fh, columns=list(columns) if columns else None)
+
+    def read_tables(self, paths: Iterable[str], columns: Iterable[str] | None = None) -> pa.Table | None:
+        tables = [self.read_table(p, columns) for p in paths]
+        return pa.concat_tables(tables, promote_options="default") if tables else None
+
+    def remove(self, *parts: str) -> None:
+        p = self.path(*parts)
+        if self.fs.exists(p):
+            self.fs.rm(p, recursive=True)
+
+
+def open_fs(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, path) for any URI or local path."""
+    if "://" not in uri:
+        uri = os.path.abspath(os.path.expanduser(uri))
+    return url_to_fs(uri)

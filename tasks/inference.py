@@ -1,0 +1,301 @@
+"""Stage 3, inference: captions through Ray Data LLM (``ray.data.llm``) and the vLLM engine.
+
+Pipeline per pass (one Ray Data job, streaming):
+    read_parquet(dataset shards) -> keep pending ids -> build_processor(...)
+    [preprocess: chat messages with a data: URL -> PrepareMultimodalStage -> ChatTemplateStage
+     (-> TokenizeStage) -> vLLMEngineStage (-> DetokenizeStage) -> postprocess] -> fixed schema
+
+Resume (a small ledger, see README "Resume"): the driver pulls finished rows as they stream out
+and commits them in caption shards (``captions/part-*.parquet``, each written atomically). A
+rerun reads the ``image_id`` column of the committed shards and only sends the other rows to
+the engine, so a killed run loses at most the uncommitted rows and never duplicates one.
+Ray Data's own job checkpointing (``CheckpointConfig``) was not used: it tracks rows written by
+a ``write_*`` sink, while here rows must also be routed by outcome (captions vs. failures) and
+retried in later passes; the ledger keeps that in one place and works on any fsspec store.
+
+Rows whose request fails (``should_continue_on_error``) are written to ``failures/`` with their
+error and retried in the next pass, up to ``row_retries`` extra passes; they are never counted
+as captioned.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+import uuid
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from prefect import task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+from captionflow.config import RunConfig
+from captionflow.fingerprint import digest
+from captionflow.images import data_url
+from captionflow.model_source import ResolvedModel
+from captionflow.presets import PRESETS, Preset, local_ray_cpus
+from captionflow.storage import Store
+
+CAPTION_SCHEMA = pa.schema([
+    ("image_id", pa.string()),
+    ("caption", pa.string()),
+    ("finish_reason", pa.string()),  # "stop" | "length"
+    ("num_input_tokens", pa.int64()),
+    ("num_output_tokens", pa.int64()),
+    ("model_fingerprint", pa.string()),
+    ("error", pa.string()),
+    ("attempt", pa.int64()),
+])
+COMMIT_ROWS = 64  # rows per committed caption shard (at most; the last one of a pass is smaller)
+
+# Testing hook: a comma-separated list of image ids whose *first* attempt is sent to the engine
+# as an invalid request (max_tokens beyond max_model_len), so the real engine rejects that row.
+INJECT_ENV = "CAPTIONFLOW_INJECT_ROW_FAILURES"
+
+WORKER_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def run_paths(cfg: RunConfig, dataset_fp: str, model_fp: str) -> tuple[str, ...]:
+    return ("runs", dataset_fp, model_fp, digest(cfg.generation_params()))
+
+
+def _init_ray(cfg: RunConfig) -> None:
+    """Connect to ``ray_address`` / RAY_ADDRESS, else start a local Ray sized for the pipeline."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    for k, v in WORKER_ENV.items():
+        os.environ.setdefault(k, v)
+    address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=False)
+    else:
+        if cfg.device == "auto":
+            import torch
+
+            hint = PRESETS["gpu" if torch.cuda.is_available() else "cpu"]
+        else:
+            hint = PRESETS[cfg.device]
+        ray.init(num_cpus=local_ray_cpus(hint, cfg.concurrency or hint.concurrency, cfg.ray_num_cpus),
+                 include_dashboard=False, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=False)
+
+
+def choose_preset(cfg: RunConfig) -> Preset:
+    if cfg.device != "auto":
+        return PRESETS[cfg.device]
+    import ray
+
+    return PRESETS["gpu"] if ray.cluster_resources().get("GPU", 0) > 0 else PRESETS["cpu"]
+
+
+def _make_request(row: dict, *, system_prompt: str, prompt: str, sampling: dict, mm_kwargs: dict,
+                  fail_ids: frozenset) -> dict:
+    params = dict(sampling)
+    if row["image_id"] in fail_ids:
+        params["max_tokens"] = 10**9  # rejected by the engine: longer than max_model_len
+    return {
+        "image_id": row["image_id"],
+        "messages": [
+            {"role": "system", "content": system_prompt},
+            {"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url(row["image"])}},
+                {"type": "text", "text": prompt},
+            ]},
+        ],
+        "sampling_params": params,
+        "mm_processor_kwargs": mm_kwargs,
+    }
+
+
+def _to_caption(row: dict, *, max_tokens: int, model_fp: str, attempt: int) -> dict:
+    n_out = int(row.get("num_generated_tokens") or 0)
+    return {
+        "image_id": row["image_id"], "caption": row.get("generated_text") or "",
+        "finish_reason": "length" if n_out >= max_tokens else "stop",
+        "num_input_tokens": int(row.get("num_input_tokens") or 0), "num_output_tokens": n_out,
+        "model_fingerprint": model_fp, "error": "", "attempt": attempt,
+    }
+
+
+def _fixed_schema(row: dict, *, model_fp: str, attempt: int) -> dict:
+    """Error rows bypass the processor's postprocess: give every row the same columns."""
+    err = row.get("__inference_error__") or ""
+    if err:
+        return {"image_id": row["image_id"], "caption": "", "finish_reason": "error", "num_input_tokens": 0,
+                "num_output_tokens": 0, "model_fingerprint": model_fp, "error": str(err)[:2000], "attempt": attempt}
+    return {k: row[k] for k in CAPTION_SCHEMA.names}
+
+
+def _keep_pending(batch: pa.Table, *, pending: pa.Array) -> pa.Table:
+    return batch.filter(pc.is_in(batch["image_id"], value_set=pending))
+
+
+def build_caption_processor(cfg: RunConfig, model: ResolvedModel, preset: Preset, attempt: int,
+                            fail_ids: frozenset = frozenset()):
+    from ray.data.llm import build_processor, vLLMEngineProcessorConfig
+
+    concurrency = cfg.concurrency or preset.concurrency
+    engine_kwargs: dict[str, Any] = {
+        "max_num_seqs": cfg.max_num_seqs or preset.max_num_seqs,
+        "max_model_len": cfg.max_model_len or preset.max_model_len,
+        "limit_mm_per_prompt": {"image": 1, "video": 0},
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        **preset.engine_kwargs,
+        **cfg.engine_kwargs,
+    }
+    cpu_stage = {"enabled": True, "num_cpus": preset.cpu_stage_cpus}
+    extra: dict[str, Any] = {}
+    if preset.engine_gpus == 0:
+        # Without this, the engine actor asks Ray for one GPU per replica and never starts on CPU.
+        extra["placement_group_config"] = {"bundles": [{"CPU": preset.engine_cpus}] * cfg.tensor_parallel_size}
+    config = vLLMEngineProcessorConfig(
+        model_source=model.path,
+        engine_kwargs=engine_kwargs,
+        batch_size=cfg.batch_size or preset.batch_size,
+        concurrency=concurrency,
+        max_concurrent_batches=cfg.max_concurrent_batches or preset.max_concurrent_batches,
+        accelerator_type=cfg.accelerator_type,
+        should_continue_on_error=True,
+        log_engine_metrics=False,
+        runtime_env={"env_vars": WORKER_ENV},
+        prepare_multimodal_stage={**cpu_stage, "model_config_kwargs": {"limit_mm_per_prompt": {"image": 1, "video": 0}}},
+        chat_template_stage=cpu_stage,
+        tokenize_stage={**cpu_stage, "enabled": preset.tokenize_in_ray},
+        detokenize_stage={**cpu_stage, "enabled": preset.tokenize_in_ray},
+        **extra,
+    )
+    sampling = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
+    mm_kwargs = {"max_pixels": cfg.max_pixels or preset.max_pixels}
+    map_kwargs = {"num_cpus": preset.map_cpus}
+    return build_processor(
+        config,
+        preprocess=functools.partial(_make_request, system_prompt=cfg.system_prompt, prompt=cfg.prompt,
+                                     sampling=sampling, mm_kwargs=mm_kwargs, fail_ids=fail_ids),
+        postprocess=functools.partial(_to_caption, max_tokens=cfg.max_tokens, model_fp=model.fingerprint,
+                                      attempt=attempt),
+        preprocess_map_kwargs=map_kwargs,
+        postprocess_map_kwargs=map_kwargs,
+    )
+
+
+def _ids_in(store: Store, files: list[str]) -> set[str]:
+    t = store.read_tables(files, columns=["image_id"])
+    return set(t.column("image_id").to_pylist()) if t is not None else set()
+
+
+def run_inference(cfg: RunConfig, manifest: dict, model: ResolvedModel) -> dict:
+    """Caption every accepted row not yet captioned; returns counts and timings."""
+    import ray
+
+    t_start = time.perf_counter()
+    store = Store(cfg.output)
+    ds_fp = manifest["dataset_fingerprint"]
+    run = run_paths(cfg, ds_fp, model.fingerprint)
+    shard_paths = [store.path("datasets", ds_fp, "shards", s) for s in manifest["shards"]]
+    all_ids = _ids_in(store, shard_paths)
+    store.write_json({"model": model.source, "model_path": model.path, "model_fingerprint": model.fingerprint,
+                      "architecture": model.architecture, "dataset_fingerprint": ds_fp,
+                      "generation": cfg.generation_params()}, *run, "run.json")
+    done = _ids_in(store, store.ls(*run, "captions", suffix=".parquet"))
+    resumed_from = len(done & all_ids)
+    timings: dict[str, float] = {}
+    passes = []
+    inject = frozenset(x for x in os.environ.get(INJECT_ENV, "").split(",") if x)
+
+    pending = sorted(all_ids - done)
+    if pending:
+        t0 = time.perf_counter()
+        _init_ray(cfg)
+        timings["ray_init_s"] = round(time.perf_counter() - t0, 2)
+        preset = choose_preset(cfg)
+        from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+        pa_fs = PyFileSystem(FSSpecHandler(store.fs))
+        progress_id = _progress_artifact(len(all_ids), len(done & all_ids))
+        for attempt in range(cfg.row_retries + 1):
+            pending = sorted(all_ids - done)
+            if not pending:
+                break
+            t_pass = time.perf_counter()
+            ds = ray.data.read_parquet(shard_paths, filesystem=pa_fs, columns=["image_id", "image"],
+                                       ray_remote_args={"num_cpus": preset.map_cpus})
+            ds = ds.map_batches(functools.partial(_keep_pending, pending=pa.array(pending, pa.string())),
+                                batch_format="pyarrow", num_cpus=preset.map_cpus)
+            processor = build_caption_processor(cfg, model, preset, attempt,
+                                                fail_ids=inject if attempt == 0 else frozenset())
+            out = processor(ds).map(functools.partial(_fixed_schema, model_fp=model.fingerprint, attempt=attempt),
+                                    num_cpus=preset.map_cpus)
+            ok_rows: list[dict] = []
+            failed_rows: list[dict] = []
+            first_row_s = None
+            n_ok = n_failed = 0
+            for row in out.iter_rows():
+                if first_row_s is None:
+                    first_row_s = round(time.perf_counter() - t_pass, 2)
+                (failed_rows if row["error"] else ok_rows).append(row)
+                if len(ok_rows) >= COMMIT_ROWS:
+                    n_ok += _commit(store, run, "captions", ok_rows, done)
+                    _progress_update(progress_id, len(done & all_ids), len(all_ids), t_pass, n_ok)
+            n_ok += _commit(store, run, "captions", ok_rows, done)
+            n_failed += _commit(store, run, "failures", failed_rows, None)
+            _progress_update(progress_id, len(done & all_ids), len(all_ids), t_pass, n_ok)
+            passes.append({"attempt": attempt, "sent": len(pending), "captioned": n_ok, "failed": n_failed,
+                           "seconds": round(time.perf_counter() - t_pass, 2), "first_row_s": first_row_s})
+        timings["inference_s"] = round(time.perf_counter() - t_start, 2)
+    captioned = len(done & all_ids)
+    return {
+        "run_dir": store.url(*run), "run_parts": list(run), "accepted": len(all_ids), "captioned": captioned,
+        "failed": len(all_ids) - captioned, "resumed_from": resumed_from, "passes": passes, "timings_s": timings,
+    }
+
+
+def _commit(store: Store, run: tuple[str, ...], kind: str, rows: list[dict], done: set | None) -> int:
+    """Write ``rows`` as one atomically committed shard; record their ids in ``done``."""
+    if not rows:
+        return 0
+    n = len(rows)
+    store.write_table(pa.Table.from_pylist(rows, schema=CAPTION_SCHEMA), *run, kind,
+                      f"part-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet")
+    if done is not None:
+        done.update(r["image_id"] for r in rows)
+    rows.clear()
+    return n
+
+
+def _progress_artifact(total: int, done: int):
+    from prefect.context import get_run_context
+
+    try:
+        get_run_context()
+    except Exception:  # called as a plain function, outside a flow/task run: nothing to report to
+        return None
+    try:
+        return create_progress_artifact(progress=100.0 * done / max(total, 1), key="inference-progress",
+                                        description=f"captioned {done}/{total}")
+    except Exception:  # outside a flow run there is nothing to report to
+        return None
+
+
+def _progress_update(artifact_id, done: int, total: int, t_pass: float, n_pass: int) -> None:
+    if artifact_id is None:
+        return
+    rate = n_pass / max(time.perf_counter() - t_pass, 1e-9)
+    eta = (total - done) / rate if rate > 0 else float("inf")
+    try:
+        update_progress_artifact(artifact_id=artifact_id, progress=100.0 * done / max(total, 1),
+                                 description=f"captioned {done}/{total}, {rate:.2f} rows/s, ETA {eta:.0f} s")
+    except Exception:
+        pass
+
+
+inference_task = task(name="inference", retries=1, retry_delay_seconds=[10])(run_inference)
