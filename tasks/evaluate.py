@@ -7,6 +7,8 @@ import time
 import pyarrow as pa
 from prefect import task
 
+from captionflow.retry import retry_transient
+
 from captionflow.metrics import length_stats, reference_metrics
 from captionflow.storage import Store
 
@@ -97,4 +99,5 @@ def _publish(report: str) -> None:
     create_markdown_artifact(markdown=report, key="caption-report", description="captionflow evaluation report")
 
 
-evaluate_task = task(name="evaluate", retries=2, retry_delay_seconds=[2, 10])(evaluate)
+evaluate_task = task(name="evaluate", retries=2, retry_delay_seconds=[2, 10],
+                   retry_condition_fn=retry_transient)(evaluate)

@@ -29,6 +29,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 from prefect import task
+
+from captionflow.retry import retry_transient
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from captionflow.config import RunConfig
@@ -298,4 +300,5 @@ def _progress_update(artifact_id, done: int, total: int, t_pass: float, n_pass: 
         pass
 
 
-inference_task = task(name="inference", retries=1, retry_delay_seconds=[10])(run_inference)
+inference_task = task(name="inference", retries=1, retry_delay_seconds=[10],
+                      retry_condition_fn=retry_transient)(run_inference)

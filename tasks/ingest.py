@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 
 from prefect import task
 
+from captionflow.retry import retry_transient
+
 from captionflow.config import RunConfig
 from captionflow.demo_data import ensure_demo_dataset
 from captionflow.fingerprint import digest
@@ -120,4 +122,5 @@ def ingest(cfg: RunConfig) -> IngestResult:
     )
 
 
-ingest_task = task(name="ingest", retries=2, retry_delay_seconds=[2, 10])(ingest)
+ingest_task = task(name="ingest", retries=2, retry_delay_seconds=[2, 10],
+                   retry_condition_fn=retry_transient)(ingest)

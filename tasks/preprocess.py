@@ -13,6 +13,8 @@ import time
 import pyarrow as pa
 from prefect import task
 
+from captionflow.retry import retry_transient
+
 from captionflow.images import normalise_image, Rejected
 from captionflow.storage import Store, open_fs
 from tasks.ingest import SCHEMA_VERSION, IngestResult
@@ -103,4 +105,5 @@ def preprocess(ing: IngestResult, output: str) -> dict:
     return manifest
 
 
-preprocess_task = task(name="preprocess", retries=2, retry_delay_seconds=[2, 10])(preprocess)
+preprocess_task = task(name="preprocess", retries=2, retry_delay_seconds=[2, 10],
+                   retry_condition_fn=retry_transient)(preprocess)

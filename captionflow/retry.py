@@ -1,0 +1,18 @@
+"""Retry policy for the Prefect tasks: retry transient faults, never bad input."""
+
+from __future__ import annotations
+
+# Faults that a retry cannot fix: bad parameters, bad data, broken invariants.
+PERMANENT = (ValueError, TypeError, KeyError, AssertionError, FileNotFoundError, NotADirectoryError,
+             PermissionError)
+
+
+def retry_transient(task, task_run, state) -> bool:
+    """Prefect ``retry_condition_fn``: True (retry) unless the failure is a permanent one."""
+    try:
+        state.result()
+    except PERMANENT:
+        return False
+    except BaseException:
+        return True
+    return True
