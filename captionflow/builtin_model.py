@@ -204,8 +204,12 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def build_builtin_model(out_dir: str | os.PathLike) -> Path:
-    """Write the built-in model into ``out_dir`` (created; must not exist yet). Returns it."""
+def build_builtin_model(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """Write the built-in model into ``out_dir`` (created; must not exist yet). Returns it.
+
+    ``seed`` draws other weights with the same architecture and tokenizer: a stand-in for a later
+    training checkpoint (the built-in model is seed 0).
+    """
     out = Path(out_dir)
     out.mkdir(parents=True)
     ids = _build_tokenizer(out)
@@ -233,9 +237,9 @@ def build_builtin_model(out_dir: str | os.PathLike) -> Path:
         "temporal_patch_size": 2,
         "merge_size": 2,
     })
-    n_params = _build_weights(out, out)
+    n_params = _build_weights(out, out, seed=seed)
     _write_json(out / "captionflow_model.json", {
-        "name": BUILTIN_NAME, "builder_version": BUILDER_VERSION, "parameters": n_params,
+        "name": BUILTIN_NAME, "builder_version": BUILDER_VERSION, "parameters": n_params, "seed": seed,
         "note": "random weights: captions are meaningless",
     })
     return out

@@ -11,9 +11,11 @@ import typing
 from captionflow.config import RunConfig, load_config
 
 
-def _add_config_options(p: argparse.ArgumentParser) -> None:
+def _add_config_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """One option per RunConfig field (--max-tokens, ...), help text from the field's description."""
     for name, field in RunConfig.model_fields.items():
+        if name in skip:
+            continue
         flag = "--" + name.replace("_", "-")
         help_ = (field.title or name) + (f": {field.description}" if field.description else "")
         ann = field.annotation
@@ -73,10 +75,40 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from captionflow.model_source import ModelError
+    from flows.compare_flow import compare_checkpoints
+    from tasks.ingest import DatasetError
+
+    overrides = {k: getattr(args, k) for k in RunConfig.model_fields if k != "model"}
+    try:
+        cfg = load_config(args.config, **overrides)
+    except (ValueError, OSError) as e:
+        print(f"captionflow: invalid parameters: {e}", file=sys.stderr)
+        return 2
+    try:
+        result = compare_checkpoints(config=cfg, models=args.models)
+    except (ModelError, DatasetError) as e:
+        print(f"captionflow: {e}", file=sys.stderr)
+        return 2
+    keys = ("bleu_4", "rouge_l", "cider", "meteor", "judge_mean")
+    print(f"{'model':40}" + "".join(f"{k:>12}" for k in keys))
+    for row in result["leaderboard"]:
+        print(f"{row['model'][-40:]:40}" + "".join(
+            f"{row[k]:>12.4f}" if row.get(k) is not None else f"{'':>12}" for k in keys))
+    if args.summary_json:
+        with open(args.summary_json, "w", encoding="utf-8") as fh:
+            json.dump(result, fh, indent=2, sort_keys=True, default=str)
+    return 0
+
+
 def cmd_build_model(args: argparse.Namespace) -> int:
     from captionflow.builtin_model import build_builtin_model, ensure_builtin_model
 
-    print(build_builtin_model(args.dir) if args.dir else ensure_builtin_model())
+    if args.seed and not args.dir:
+        print("captionflow: --seed needs DIR (the cache holds the seed-0 built-in model)", file=sys.stderr)
+        return 2
+    print(build_builtin_model(args.dir, seed=args.seed) if args.dir else ensure_builtin_model())
     return 0
 
 
@@ -95,8 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--summary-json", help="also write the run summary as JSON here")
     _add_config_options(run)
     run.set_defaults(func=cmd_run)
+    cmp_ = sub.add_parser("compare", help="evaluate several checkpoints on one dataset and print the leaderboard")
+    cmp_.add_argument("models", nargs="+", help="checkpoints, in training order (each as the model parameter)")
+    cmp_.add_argument("--config", help="YAML file of parameters (command-line options win)")
+    cmp_.add_argument("--summary-json", help="also write the per-checkpoint summaries as JSON here")
+    _add_config_options(cmp_, skip=("model",))
+    cmp_.set_defaults(func=cmd_compare)
     bm = sub.add_parser("build-model", help="build the built-in tiny model (into the cache, or DIR)")
     bm.add_argument("dir", nargs="?")
+    bm.add_argument("--seed", type=int, default=0, help="other random weights: a stand-in for another checkpoint")
     bm.set_defaults(func=cmd_build_model)
     dd = sub.add_parser("demo-data", help="assemble the demo dataset (into the cache, or DIR)")
     dd.add_argument("dir", nargs="?")

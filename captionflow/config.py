@@ -25,8 +25,8 @@ class RunConfig(BaseModel):
         description="Storage root for datasets/, runs/ and the leaderboard: a local path or any fsspec URI.")
     model: str = Field(
         "builtin", title="Model",
-        description="'builtin' (tiny random Qwen2-VL built locally; captions are meaningless) or a "
-                    "local folder with a Hugging Face VLM checkpoint.")
+        description="'builtin' (tiny random Qwen2-VL built locally; captions are meaningless), a local "
+                    "checkpoint folder, an s3:// prefix (downloaded to the local cache) or a Hugging Face hub id.")
     device: Literal["auto", "cpu", "gpu"] = Field(
         "auto", title="Device", description="Which preset sizes the engine: 'auto' picks 'gpu' when Ray sees a GPU.")
     system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, title="System prompt")
@@ -58,6 +58,16 @@ class RunConfig(BaseModel):
     force_preprocess: bool = Field(False, title="Rebuild the preprocessed dataset even if it exists")
     shard_rows: int = Field(256, ge=1, title="Rows per Parquet shard")
     row_retries: int = Field(2, ge=0, title="Extra passes over rows whose inference failed")
+    judge: bool = Field(False, title="LLM-as-judge pass",
+                        description="Score each caption 1-5 against its image (and references) with a VLM.")
+    judge_model: Optional[str] = Field(
+        None, title="Judge model", description="Any VLM checkpoint the model parameter accepts. Default: the model itself.")
+    coco_java: bool = Field(
+        False, title="Java COCO metrics",
+        description="Tokenise with pycocoevalcap's PTB tokenizer and add METEOR (both need Java on the PATH).")
+    commit_rows: int = Field(
+        64, ge=1, title="Rows per committed caption shard",
+        description="Inference commits captions in shards of at most this many rows: a killed run loses at most these.")
 
     def generation_params(self) -> dict[str, Any]:
         """What decides the generated text besides dataset and model (the generation fingerprint)."""

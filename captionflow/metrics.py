@@ -18,11 +18,20 @@ def simple_tokenize(text: str) -> str:
     return " ".join(t for t in toks if t not in _PUNCT)
 
 
-def reference_metrics(captions: dict[str, str], references: dict[str, list[str]]) -> tuple[dict, dict]:
-    """BLEU-1..4, ROUGE-L and CIDEr-D-style CIDEr over the images that have references.
+def ptb_tokenize(texts: dict[str, list[str]]) -> dict[str, list[str]]:
+    """pycocoevalcap's PTBTokenizer (Stanford CoreNLP on the JVM): the COCO standard, needs Java."""
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+    return PTBTokenizer().tokenize({k: [{"caption": t} for t in v] for k, v in texts.items()})
+
+
+def reference_metrics(captions: dict[str, str], references: dict[str, list[str]],
+                      java: bool = False) -> tuple[dict, dict]:
+    """BLEU-1..4, ROUGE-L and CIDEr (pycocoevalcap's CIDEr-D scorer), plus METEOR with ``java``.
 
     Returns (aggregate, per_image) where per_image maps image_id -> {metric: score}. All images
-    are scored in one call per metric (CIDEr's IDF comes from the whole reference set).
+    are scored in one call per metric (CIDEr's IDF comes from the whole reference set). Text is
+    tokenised by ``simple_tokenize`` (no Java) or, with ``java``, by the PTB tokenizer.
     """
     from pycocoevalcap.bleu.bleu import Bleu
     from pycocoevalcap.cider.cider import Cider
@@ -31,8 +40,12 @@ def reference_metrics(captions: dict[str, str], references: dict[str, list[str]]
     ids = sorted(i for i in captions if references.get(i))
     if not ids:
         return {}, {}
-    gts = {i: [simple_tokenize(r) for r in references[i]] for i in ids}
-    res = {i: [simple_tokenize(captions[i])] for i in ids}
+    if java:
+        gts = ptb_tokenize({i: references[i] for i in ids})
+        res = ptb_tokenize({i: [captions[i]] for i in ids})
+    else:
+        gts = {i: [simple_tokenize(r) for r in references[i]] for i in ids}
+        res = {i: [simple_tokenize(captions[i])] for i in ids}
     agg: dict[str, float] = {}
     per: dict[str, dict] = {i: {} for i in ids}
     import contextlib
@@ -44,7 +57,12 @@ def reference_metrics(captions: dict[str, str], references: dict[str, list[str]]
         agg[f"bleu_{n + 1}"] = float(bleu[n])
         for i, v in zip(ids, bleu_each[n]):
             per[i][f"bleu_{n + 1}"] = float(v)
-    for name, scorer in (("rouge_l", Rouge()), ("cider", Cider())):
+    scorers = [("rouge_l", Rouge()), ("cider", Cider())]
+    if java:
+        from pycocoevalcap.meteor.meteor import Meteor
+
+        scorers.append(("meteor", Meteor()))
+    for name, scorer in scorers:
         score, each = scorer.compute_score(gts, res)
         agg[name] = float(score)
         for i, v in zip(ids, each):

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from captionflow.builtin_model import BUILTIN_NAME, ensure_builtin_model
-from captionflow.fingerprint import model_fingerprint
+from captionflow.builtin_model import BUILTIN_NAME, default_cache_dir, ensure_builtin_model
+from captionflow.fingerprint import digest, model_fingerprint
 
 
 class ModelError(ValueError):
@@ -23,20 +26,70 @@ class ResolvedModel:
     architecture: str
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _download_s3(uri: str, cache_dir: str | None) -> Path:
+    """Copy an s3:// checkpoint prefix into the cache (keyed on its listing: names, sizes, ETags)."""
+    from captionflow.storage import open_fs
+
+    try:
+        fs, root = open_fs(uri)
+        listing = fs.find(root, detail=True)
+    except Exception as e:  # credentials, endpoint, permissions: say which prefix
+        raise ModelError(f"model {uri!r}: cannot list the prefix ({type(e).__name__}: {e})") from None
+    if not listing:
+        raise ModelError(f"model {uri!r}: the prefix holds no files")
+    key = digest(sorted((p[len(root):], i.get("size"), str(i.get("ETag", ""))) for p, i in listing.items()))
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    final = cache / "models" / f"s3-{key}"
+    if (final / "config.json").exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=final.parent))
+    try:
+        for path in listing:
+            rel = path[len(root):].lstrip("/")
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(path, str(tmp / rel))
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _download_hub(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=repo_id))
+    except Exception as e:
+        raise ModelError(
+            f"model {repo_id!r} is not a local folder and could not be fetched from the Hugging Face hub "
+            f"({type(e).__name__}: {str(e)[:300]}). Offline machines need a local path or s3:// prefix.") from None
+
+
 def resolve_model(model: str, cache_dir: str | None = None) -> ResolvedModel:
-    """'builtin' or a local checkpoint folder -> a validated local folder and its fingerprint.
+    """'builtin', a local folder, an s3:// prefix or a hub id -> a validated local folder and fingerprint.
 
     Raises ModelError naming the problem and the path: missing folder, no config.json, a config
-    that is not JSON, or a model without a vision tower (captionflow needs a VLM).
+    that is not JSON, no weights, or a model without a vision tower (captionflow needs a VLM).
     """
     if model == BUILTIN_NAME:
         path = ensure_builtin_model(cache_dir)
+    elif model.startswith("s3://"):
+        path = _download_s3(model, cache_dir)
+    elif "://" in model:
+        raise ModelError(f"model {model!r}: supported are 'builtin', a local folder, s3:// and hub ids")
     else:
-        if "://" in model:
-            raise ModelError(
-                f"model {model!r}: only 'builtin' and local checkpoint folders are supported so far")
         path = Path(os.path.expanduser(model)).resolve()
-        if not path.exists():
+        if not path.exists() and HUB_ID.match(model) and not model.startswith((".", "~")):
+            path = _download_hub(model)
+        elif not path.exists():
             raise ModelError(f"model path {str(path)!r} does not exist")
         if not path.is_dir():
             raise ModelError(f"model path {str(path)!r} is a file; pass the checkpoint folder")

@@ -7,12 +7,16 @@ PERMANENT = (ValueError, TypeError, KeyError, AssertionError, FileNotFoundError,
              PermissionError)
 
 
+def _is_permanent(exc: BaseException) -> bool:
+    from tasks.inference import RowsFailed  # rows were already retried pass by pass
+
+    return isinstance(exc, PERMANENT + (RowsFailed,))
+
+
 def retry_transient(task, task_run, state) -> bool:
     """Prefect ``retry_condition_fn``: True (retry) unless the failure is a permanent one."""
     try:
         state.result()
-    except PERMANENT:
-        return False
-    except BaseException:
-        return True
+    except BaseException as e:
+        return not _is_permanent(e)
     return True

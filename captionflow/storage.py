@@ -20,13 +20,26 @@ import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
 
+def storage_options(uri: str) -> dict[str, Any]:
+    """Options made explicit so that the filesystem object carries them to Ray workers.
+
+    For s3:// the endpoint comes from ``AWS_ENDPOINT_URL`` (S3-compatible stores, the tests' local
+    server). Credentials are *not* copied: s3fs/botocore read them from the environment, the
+    instance profile or the config files on each machine, so they never travel in a pickled
+    filesystem, a log line or an output file.
+    """
+    if uri.startswith(("s3://", "s3a://")) and os.environ.get("AWS_ENDPOINT_URL"):
+        return {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}
+    return {}
+
+
 class Store:
     """A storage root: ``Store("./out")`` or ``Store("s3://bucket/prefix")``."""
 
-    def __init__(self, root: str, **storage_options: Any):
+    def __init__(self, root: str, **options: Any):
         if "://" not in root:
             root = os.path.abspath(os.path.expanduser(root))
-        self.fs, self.root = url_to_fs(root, **storage_options)
+        self.fs, self.root = url_to_fs(root, **{**storage_options(root), **options})
         self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         self.is_local = self.protocol in ("file", "local")
         self.uri = root
@@ -53,7 +66,8 @@ class Store:
         p = self.path(*parts)
         if self.is_local:
             os.makedirs(os.path.dirname(p), exist_ok=True)
-            tmp = f"{p}.tmp-{uuid.uuid4().hex}"
+            # hidden temporary name: directory readers (pyarrow, Spark, DuckDB) skip dot-files
+            tmp = posixpath.join(os.path.dirname(p), f".{os.path.basename(p)}.tmp-{uuid.uuid4().hex}")
             with open(tmp, "wb") as fh:
                 fh.write(data)
                 fh.flush()
@@ -100,4 +114,4 @@ def open_fs(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """(filesystem, path) for any URI or local path."""
     if "://" not in uri:
         uri = os.path.abspath(os.path.expanduser(uri))
-    return url_to_fs(uri)
+    return url_to_fs(uri, **storage_options(uri))

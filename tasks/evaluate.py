@@ -15,7 +15,8 @@ from captionflow.storage import Store
 LEADERBOARD = "leaderboard.parquet"
 
 
-def evaluate(output: str, manifest: dict, inference: dict, model_source: str) -> dict:
+def evaluate(output: str, manifest: dict, inference: dict, model_source: str, judge: dict | None = None,
+             coco_java: bool = False) -> dict:
     """Score the captions of one run; write scores.parquet, metrics.json, report.md; update the leaderboard."""
     t0 = time.perf_counter()
     store = Store(output)
@@ -29,33 +30,65 @@ def evaluate(output: str, manifest: dict, inference: dict, model_source: str) ->
     rows = caps_t.to_pylist() if caps_t is not None else []
     captions = {r["image_id"]: r["caption"] for r in rows}
     stats = length_stats([r["caption"] for r in rows], [r["finish_reason"] for r in rows], inference["failed"])
-    ref_agg, ref_per = reference_metrics(captions, refs)
+    ref_agg, ref_per = reference_metrics(captions, refs, java=coco_java)
     metrics = {"stats": stats, "reference": ref_agg}
+    judged: dict[str, dict] = {}
+    if judge:
+        metrics["judge"] = {k: judge[k] for k in ("judge_model", "judged", "failed", "parse_rate", "mean_score",
+                                                  "distribution")}
+        judged = _judge_scores(store, judge)
     scores = pa.Table.from_pylist([
         {"image_id": r["image_id"], "source": sources.get(r["image_id"], ""), "caption": r["caption"],
          "references": refs.get(r["image_id"], []), "finish_reason": r["finish_reason"],
-         "num_output_tokens": r["num_output_tokens"], **{k: ref_per.get(r["image_id"], {}).get(k)
-                                                          for k in ("bleu_4", "rouge_l", "cider")}}
+         "num_output_tokens": r["num_output_tokens"],
+         **{k: ref_per.get(r["image_id"], {}).get(k) for k in ("bleu_4", "rouge_l", "cider")},
+         "judge_score": judged.get(r["image_id"], {}).get("score"),
+         "judge_reason": judged.get(r["image_id"], {}).get("reason")}
         for r in sorted(rows, key=lambda r: r["image_id"])
     ])
     store.write_table(scores, *run, "scores.parquet")
+    metrics["comparison"] = _append_leaderboard(store, ds_fp, run, model_source, metrics)
     store.write_json(metrics, *run, "metrics.json")
     report = render_report(model_source, manifest, inference, metrics, scores.to_pylist())
     store.write_text(report, *run, "report.md")
-    _append_leaderboard(store, ds_fp, run, model_source, metrics)
     _publish(report)
     return {"metrics": metrics, "report": store.url(*run, "report.md"), "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def _append_leaderboard(store: Store, ds_fp: str, run: tuple, model_source: str, metrics: dict) -> None:
+def _judge_scores(store: Store, judge: dict) -> dict[str, dict]:
+    fs_path = judge["judge_dir"] if store.is_local else judge["judge_dir"].split("://", 1)[1]
+    files = sorted(p for p in (store.fs.ls(f"{fs_path}/scores", detail=False) if store.fs.exists(f"{fs_path}/scores") else [])
+                   if p.endswith(".parquet"))
+    t = store.read_tables(files)
+    return {r["image_id"]: r for r in t.to_pylist()} if t is not None else {}
+
+
+COMPARED = ("bleu_4", "rouge_l", "cider", "meteor", "judge_mean")
+
+
+def _append_leaderboard(store: Store, ds_fp: str, run: tuple, model_source: str, metrics: dict) -> dict:
+    """Upsert this run's row; return the deltas against the previous and the best run on this dataset."""
     row = {"dataset_fingerprint": ds_fp, "model_fingerprint": run[2], "generation_fingerprint": run[3],
            "model": model_source, "run_dir": store.url(*run), "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "n_captions": metrics["stats"]["n_captions"], "failure_rate": metrics["stats"]["failure_rate"],
-           **{k: metrics["reference"].get(k) for k in ("bleu_4", "rouge_l", "cider")}}
+           **{k: metrics["reference"].get(k) for k in ("bleu_4", "rouge_l", "cider", "meteor")},
+           "judge_mean": (metrics.get("judge") or {}).get("mean_score")}
     old = store.read_table(store.path(LEADERBOARD)).to_pylist() if store.exists(LEADERBOARD) else []
     key = (row["dataset_fingerprint"], row["model_fingerprint"], row["generation_fingerprint"])
     kept = [r for r in old if (r["dataset_fingerprint"], r["model_fingerprint"], r["generation_fingerprint"]) != key]
     store.write_table(pa.Table.from_pylist(kept + [row]), LEADERBOARD)
+    same = [r for r in kept if r["dataset_fingerprint"] == ds_fp]
+    previous = max(same, key=lambda r: r["evaluated_at"], default=None)
+    best = max((r for r in same if r.get("cider") is not None), key=lambda r: r["cider"], default=None)
+
+    def delta(other):
+        if other is None:
+            return None
+        return {"model": other["model"], "run_dir": other["run_dir"],
+                **{k: (row[k] - other[k]) if row.get(k) is not None and other.get(k) is not None else None
+                   for k in COMPARED}}
+
+    return {"previous": delta(previous), "best_so_far": delta(best), "runs_on_dataset": len(same) + 1}
 
 
 def render_report(model_source: str, manifest: dict, inference: dict, metrics: dict, scores: list[dict]) -> str:
@@ -68,12 +101,28 @@ def render_report(model_source: str, manifest: dict, inference: dict, metrics: d
         f"{c['duplicates']} duplicates", f"- captioned: {inference['captioned']}, failed: {inference['failed']}", "",
         "## Headline metrics", "", "| metric | value |", "|---|---|",
     ]
-    for k in ("bleu_1", "bleu_4", "rouge_l", "cider"):
+    for k in ("bleu_1", "bleu_4", "rouge_l", "cider", "meteor"):
         if k in ref:
             lines.append(f"| {k} | {ref[k]:.4f} |")
     lines += [f"| words per caption (mean) | {s['words']['mean']:.1f} |", f"| truncated at max_tokens | {s['truncated_rate']:.1%} |",
               f"| empty | {s['empty_rate']:.1%} |", f"| repetition | {s['repetition_rate']:.3f} |",
               f"| vocabulary | {s['vocabulary_size']} |", f"| failure rate | {s['failure_rate']:.1%} |", ""]
+    j = metrics.get("judge")
+    if j:
+        lines += ["## LLM judge", "", f"- judge model: `{j['judge_model']}`, judged {j['judged']}, failed {j['failed']}, "
+                  f"answers parsed {j['parse_rate']:.0%}",
+                  f"- mean score: {j['mean_score']:.2f}" if j["mean_score"] is not None else "- mean score: n/a",
+                  "- distribution: " + ", ".join(f"{k}: {v}" for k, v in j["distribution"].items()), ""]
+    comp = metrics.get("comparison") or {}
+    if comp.get("previous") or comp.get("best_so_far"):
+        lines += ["## Against earlier checkpoints on this dataset", "", "| vs | model | " + " | ".join(
+            f"Δ {k}" for k in COMPARED) + " |", "|---|---|" + "---|" * len(COMPARED)]
+        for label in ("previous", "best_so_far"):
+            d = comp.get(label)
+            if d:
+                cells = " | ".join("" if d[k] is None else f"{d[k]:+.4f}" for k in COMPARED)
+                lines.append(f"| {label.replace('_', ' ')} | `{d['model']}` | {cells} |")
+        lines.append("")
     scored = [r for r in scores if r.get("cider") is not None]
     if scored:
         scored.sort(key=lambda r: r["cider"], reverse=True)

@@ -50,10 +50,8 @@ CAPTION_SCHEMA = pa.schema([
     ("error", pa.string()),
     ("attempt", pa.int64()),
 ])
-COMMIT_ROWS = 64  # rows per committed caption shard (at most; the last one of a pass is smaller)
-
 # Testing hook: a comma-separated list of image ids whose *first* attempt is sent to the engine
-# as an invalid request (max_tokens beyond max_model_len), so the real engine rejects that row.
+# with invalid sampling parameters (temperature -1), so the real engine rejects that row.
 INJECT_ENV = "CAPTIONFLOW_INJECT_ROW_FAILURES"
 
 WORKER_ENV = {
@@ -66,11 +64,20 @@ WORKER_ENV = {
 }
 
 
+class RowsFailed(RuntimeError):
+    """Some rows still failed after every retry pass. The flow goes on; ``summary`` counts them."""
+
+    def __init__(self, summary: dict):
+        super().__init__(f"{summary['failed']} of {summary['accepted']} rows failed after "
+                         f"{len(summary['passes'])} passes (see {summary['run_dir']}/failures)")
+        self.summary = summary
+
+
 def run_paths(cfg: RunConfig, dataset_fp: str, model_fp: str) -> tuple[str, ...]:
     return ("runs", dataset_fp, model_fp, digest(cfg.generation_params()))
 
 
-def _init_ray(cfg: RunConfig) -> None:
+def init_ray(cfg: RunConfig) -> None:
     """Connect to ``ray_address`` / RAY_ADDRESS, else start a local Ray sized for the pipeline."""
     import ray
 
@@ -100,23 +107,24 @@ def choose_preset(cfg: RunConfig) -> Preset:
     return PRESETS["gpu"] if ray.cluster_resources().get("GPU", 0) > 0 else PRESETS["cpu"]
 
 
+def image_messages(system_prompt: str, image: bytes, text: str) -> list[dict]:
+    """OpenAI-style chat messages: a system prompt, then one image (as a data: URL) and a text."""
+    return [
+        {"role": "system", "content": system_prompt},
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(image)}},
+            {"type": "text", "text": text},
+        ]},
+    ]
+
+
 def _make_request(row: dict, *, system_prompt: str, prompt: str, sampling: dict, mm_kwargs: dict,
                   fail_ids: frozenset) -> dict:
     params = dict(sampling)
     if row["image_id"] in fail_ids:
-        params["max_tokens"] = 10**9  # rejected by the engine: longer than max_model_len
-    return {
-        "image_id": row["image_id"],
-        "messages": [
-            {"role": "system", "content": system_prompt},
-            {"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": data_url(row["image"])}},
-                {"type": "text", "text": prompt},
-            ]},
-        ],
-        "sampling_params": params,
-        "mm_processor_kwargs": mm_kwargs,
-    }
+        params["temperature"] = -1.0  # rejected by vLLM's SamplingParams validation
+    return {"image_id": row["image_id"], "messages": image_messages(system_prompt, row["image"], prompt),
+            "sampling_params": params, "mm_processor_kwargs": mm_kwargs}
 
 
 def _to_caption(row: dict, *, max_tokens: int, model_fp: str, attempt: int) -> dict:
@@ -142,11 +150,15 @@ def _keep_pending(batch: pa.Table, *, pending: pa.Array) -> pa.Table:
     return batch.filter(pc.is_in(batch["image_id"], value_set=pending))
 
 
-def build_caption_processor(cfg: RunConfig, model: ResolvedModel, preset: Preset, attempt: int,
-                            fail_ids: frozenset = frozenset()):
+def build_vlm_processor(cfg: RunConfig, model: ResolvedModel, preset: Preset, preprocess, postprocess):
+    """A Ray Data LLM processor for one VLM, sized by ``preset``; the row functions decide the task.
+
+    Shared by captioning and the LLM judge: images go in as ``data:`` URLs through
+    ``prepare_multimodal_stage``, every CPU stage declares its share (see presets.py), and rows
+    that fail individually come out with ``__inference_error__`` instead of failing the batch.
+    """
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
-    concurrency = cfg.concurrency or preset.concurrency
     engine_kwargs: dict[str, Any] = {
         "max_num_seqs": cfg.max_num_seqs or preset.max_num_seqs,
         "max_model_len": cfg.max_model_len or preset.max_model_len,
@@ -164,7 +176,7 @@ def build_caption_processor(cfg: RunConfig, model: ResolvedModel, preset: Preset
         model_source=model.path,
         engine_kwargs=engine_kwargs,
         batch_size=cfg.batch_size or preset.batch_size,
-        concurrency=concurrency,
+        concurrency=cfg.concurrency or preset.concurrency,
         max_concurrent_batches=cfg.max_concurrent_batches or preset.max_concurrent_batches,
         accelerator_type=cfg.accelerator_type,
         should_continue_on_error=True,
@@ -176,21 +188,37 @@ def build_caption_processor(cfg: RunConfig, model: ResolvedModel, preset: Preset
         detokenize_stage={**cpu_stage, "enabled": preset.tokenize_in_ray},
         **extra,
     )
+    map_kwargs = {"num_cpus": preset.map_cpus}
+    return build_processor(config, preprocess=preprocess, postprocess=postprocess,
+                           preprocess_map_kwargs=map_kwargs, postprocess_map_kwargs=map_kwargs)
+
+
+def build_caption_processor(cfg: RunConfig, model: ResolvedModel, preset: Preset, attempt: int,
+                            fail_ids: frozenset = frozenset()):
     sampling = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
     mm_kwargs = {"max_pixels": cfg.max_pixels or preset.max_pixels}
-    map_kwargs = {"num_cpus": preset.map_cpus}
-    return build_processor(
-        config,
+    return build_vlm_processor(
+        cfg, model, preset,
         preprocess=functools.partial(_make_request, system_prompt=cfg.system_prompt, prompt=cfg.prompt,
                                      sampling=sampling, mm_kwargs=mm_kwargs, fail_ids=fail_ids),
         postprocess=functools.partial(_to_caption, max_tokens=cfg.max_tokens, model_fp=model.fingerprint,
                                       attempt=attempt),
-        preprocess_map_kwargs=map_kwargs,
-        postprocess_map_kwargs=map_kwargs,
     )
 
 
-def _ids_in(store: Store, files: list[str]) -> set[str]:
+def read_pending(store: Store, shard_paths: list[str], columns: list[str], pending: list[str], preset: Preset):
+    """A Ray dataset of the dataset shards' rows whose image_id is in ``pending``."""
+    import ray
+    from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+    # pyarrow's own S3 filesystem ignores AWS_ENDPOINT_URL: hand Ray the fsspec one explicitly.
+    ds = ray.data.read_parquet(shard_paths, filesystem=PyFileSystem(FSSpecHandler(store.fs)), columns=columns,
+                               ray_remote_args={"num_cpus": preset.map_cpus})
+    return ds.map_batches(functools.partial(_keep_pending, pending=pa.array(pending, pa.string())),
+                          batch_format="pyarrow", num_cpus=preset.map_cpus)
+
+
+def ids_in(store: Store, files: list[str]) -> set[str]:
     t = store.read_tables(files, columns=["image_id"])
     return set(t.column("image_id").to_pylist()) if t is not None else set()
 
@@ -204,11 +232,11 @@ def run_inference(cfg: RunConfig, manifest: dict, model: ResolvedModel) -> dict:
     ds_fp = manifest["dataset_fingerprint"]
     run = run_paths(cfg, ds_fp, model.fingerprint)
     shard_paths = [store.path("datasets", ds_fp, "shards", s) for s in manifest["shards"]]
-    all_ids = _ids_in(store, shard_paths)
+    all_ids = ids_in(store, shard_paths)
     store.write_json({"model": model.source, "model_path": model.path, "model_fingerprint": model.fingerprint,
                       "architecture": model.architecture, "dataset_fingerprint": ds_fp,
                       "generation": cfg.generation_params()}, *run, "run.json")
-    done = _ids_in(store, store.ls(*run, "captions", suffix=".parquet"))
+    done = ids_in(store, store.ls(*run, "captions", suffix=".parquet"))
     resumed_from = len(done & all_ids)
     timings: dict[str, float] = {}
     passes = []
@@ -217,56 +245,70 @@ def run_inference(cfg: RunConfig, manifest: dict, model: ResolvedModel) -> dict:
     pending = sorted(all_ids - done)
     if pending:
         t0 = time.perf_counter()
-        _init_ray(cfg)
+        init_ray(cfg)
         timings["ray_init_s"] = round(time.perf_counter() - t0, 2)
         preset = choose_preset(cfg)
-        from pyarrow.fs import FSSpecHandler, PyFileSystem
-
-        pa_fs = PyFileSystem(FSSpecHandler(store.fs))
         progress_id = _progress_artifact(len(all_ids), len(done & all_ids))
         for attempt in range(cfg.row_retries + 1):
             pending = sorted(all_ids - done)
             if not pending:
                 break
             t_pass = time.perf_counter()
-            ds = ray.data.read_parquet(shard_paths, filesystem=pa_fs, columns=["image_id", "image"],
-                                       ray_remote_args={"num_cpus": preset.map_cpus})
-            ds = ds.map_batches(functools.partial(_keep_pending, pending=pa.array(pending, pa.string())),
-                                batch_format="pyarrow", num_cpus=preset.map_cpus)
+            ds = read_pending(store, shard_paths, ["image_id", "image"], pending, preset)
             processor = build_caption_processor(cfg, model, preset, attempt,
                                                 fail_ids=inject if attempt == 0 else frozenset())
             out = processor(ds).map(functools.partial(_fixed_schema, model_fp=model.fingerprint, attempt=attempt),
                                     num_cpus=preset.map_cpus)
-            ok_rows: list[dict] = []
-            failed_rows: list[dict] = []
-            first_row_s = None
-            n_ok = n_failed = 0
-            for row in out.iter_rows():
-                if first_row_s is None:
-                    first_row_s = round(time.perf_counter() - t_pass, 2)
-                (failed_rows if row["error"] else ok_rows).append(row)
-                if len(ok_rows) >= COMMIT_ROWS:
-                    n_ok += _commit(store, run, "captions", ok_rows, done)
-                    _progress_update(progress_id, len(done & all_ids), len(all_ids), t_pass, n_ok)
-            n_ok += _commit(store, run, "captions", ok_rows, done)
-            n_failed += _commit(store, run, "failures", failed_rows, None)
-            _progress_update(progress_id, len(done & all_ids), len(all_ids), t_pass, n_ok)
+            n_ok, n_failed, first_row_s = stream_and_commit(
+                out, store, run, ("captions", "failures"), CAPTION_SCHEMA, done, cfg.commit_rows,
+                progress=lambda n_pass: _progress_update(progress_id, len(done & all_ids), len(all_ids), t_pass, n_pass))
             passes.append({"attempt": attempt, "sent": len(pending), "captioned": n_ok, "failed": n_failed,
                            "seconds": round(time.perf_counter() - t_pass, 2), "first_row_s": first_row_s})
         timings["inference_s"] = round(time.perf_counter() - t_start, 2)
     captioned = len(done & all_ids)
-    return {
+    summary = {
         "run_dir": store.url(*run), "run_parts": list(run), "accepted": len(all_ids), "captioned": captioned,
         "failed": len(all_ids) - captioned, "resumed_from": resumed_from, "passes": passes, "timings_s": timings,
     }
+    if summary["failed"]:
+        raise RowsFailed(summary)  # a failed task state is never cached; the next run retries those rows
+    return summary
 
 
-def _commit(store: Store, run: tuple[str, ...], kind: str, rows: list[dict], done: set | None) -> int:
+def stream_and_commit(out, store: Store, base: tuple[str, ...], kinds: tuple[str, str], schema: pa.Schema,
+                      done: set, commit_rows: int, progress=None) -> tuple[int, int, float | None]:
+    """The ledger: pull rows from a Ray dataset as they finish and commit them in shards.
+
+    Rows without ``error`` go to ``base/kinds[0]`` in shards of ``commit_rows`` (their ids are
+    added to ``done``), failed rows to ``base/kinds[1]``. Returns (ok, failed, seconds to first row).
+    """
+    t0 = time.perf_counter()
+    ok_rows: list[dict] = []
+    failed_rows: list[dict] = []
+    first_row_s = None
+    n_ok = 0
+    for row in out.iter_rows():
+        if first_row_s is None:
+            first_row_s = round(time.perf_counter() - t0, 2)
+        (failed_rows if row["error"] else ok_rows).append(row)
+        if len(ok_rows) >= commit_rows:
+            n_ok += _commit(store, base, kinds[0], ok_rows, done, schema)
+            if progress:
+                progress(n_ok)
+    n_ok += _commit(store, base, kinds[0], ok_rows, done, schema)
+    n_failed = _commit(store, base, kinds[1], failed_rows, None, schema)
+    if progress:
+        progress(n_ok)
+    return n_ok, n_failed, first_row_s
+
+
+def _commit(store: Store, base: tuple[str, ...], kind: str, rows: list[dict], done: set | None,
+            schema: pa.Schema) -> int:
     """Write ``rows`` as one atomically committed shard; record their ids in ``done``."""
     if not rows:
         return 0
     n = len(rows)
-    store.write_table(pa.Table.from_pylist(rows, schema=CAPTION_SCHEMA), *run, kind,
+    store.write_table(pa.Table.from_pylist(rows, schema=schema), *base, kind,
                       f"part-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet")
     if done is not None:
         done.update(r["image_id"] for r in rows)

@@ -12,6 +12,42 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def s3_server():
+    """A real S3-protocol server (moto) on loopback for the whole session.
+
+    Started before anything else so that the environment it sets (endpoint, dummy credentials)
+    is inherited by every process started later - Ray workers and vLLM engines included.
+    """
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield env["AWS_ENDPOINT_URL"]
+    server.stop()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    import uuid
+
+    import boto3
+
+    name = f"cf-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
+    return name
+
+
 @pytest.fixture(scope="session")
 def prefect_api():
     """A real Prefect API server (SQLite) for the session; yields a client factory."""

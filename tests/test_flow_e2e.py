@@ -18,8 +18,9 @@ def demo_run(prefect_api, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("out")
     first, second = out / "first.json", out / "second.json"
-    assert main(["run", "--output", str(out), "--device", "cpu", "--summary-json", str(first)]) == 0
-    assert main(["run", "--output", str(out), "--device", "cpu", "--summary-json", str(second)]) == 0
+    args = ["run", "--output", str(out), "--device", "cpu", "--judge"]
+    assert main([*args, "--summary-json", str(first)]) == 0
+    assert main([*args, "--summary-json", str(second)]) == 0
     return out, json.loads(first.read_text()), json.loads(second.read_text())
 
 
@@ -56,11 +57,47 @@ def test_captions_exactly_once(demo_run):
 
 def test_rerun_reuses_dataset_and_captions(demo_run):
     _, s, second = demo_run
+    assert s["cached_stages"] == []
+    # same inputs: every stage after the listing is a Prefect cache hit keyed on fingerprints
+    assert second["cached_stages"] == ["preprocess", "inference", "judge", "evaluate"]
     assert second["preprocess_skipped"] is True
     assert second["dataset_dir"] == s["dataset_dir"] and second["run_dir"] == s["run_dir"]
-    assert second["resumed_from"] == s["counts"]["accepted"]
     assert second["counts"] == s["counts"]
-    assert "inference.ray_init_s" not in second["timings_s"]  # nothing left to caption: Ray not started
+    assert "inference.ray_init_s" not in second["timings_s"]
+
+
+def test_judge_answers_always_parse(demo_run):
+    _, s, _ = demo_run
+    j = s["metrics"]["judge"]
+    assert j["parse_rate"] == 1.0  # structured outputs: even the random built-in model's answers parse
+    assert j["judged"] == s["counts"]["captioned"] and j["failed"] == 0
+    assert 1.0 <= j["mean_score"] <= 5.0 and sum(j["distribution"].values()) == j["judged"]
+    scores = pq.read_table(f"{s['run_dir']}/scores.parquet").to_pylist()
+    assert all(r["judge_score"] in {1, 2, 3, 4, 5} for r in scores)
+
+
+def test_second_checkpoint_compared_on_leaderboard(demo_run, tmp_path_factory):
+    from captionflow.builtin_model import build_builtin_model
+    from captionflow.cli import main
+
+    out, s, _ = demo_run
+    ckpt2 = build_builtin_model(tmp_path_factory.mktemp("ckpt") / "step-2000", seed=1)
+    summary = out / "compare.json"
+    assert main(["compare", "builtin", str(ckpt2), "--output", str(out), "--device", "cpu",
+                 "--summary-json", str(summary)]) == 0
+    res = json.loads(summary.read_text())
+    first, second = res["runs"]
+    assert first["run_dir"] == s["run_dir"] and "inference" in first["cached_stages"]
+    assert "preprocess" in second["cached_stages"]  # the golden set is preprocessed once
+    assert second["run_dir"] != s["run_dir"] and second["counts"]["captioned"] == s["counts"]["accepted"]
+    board = pq.read_table(out / "leaderboard.parquet").to_pylist()
+    assert {r["run_dir"] for r in board} == {s["run_dir"], second["run_dir"]}
+    comp = second["metrics"]["comparison"]
+    assert comp["runs_on_dataset"] == 2 and comp["previous"]["run_dir"] == s["run_dir"]
+    assert comp["previous"]["cider"] == pytest.approx(
+        second["metrics"]["reference"]["cider"] - s["metrics"]["reference"]["cider"])
+    report = open(second["report"], encoding="utf-8").read()
+    assert "Against earlier checkpoints" in report
 
 
 def test_report_and_leaderboard_written(demo_run):
@@ -68,7 +105,8 @@ def test_report_and_leaderboard_written(demo_run):
     report = open(s["report"], encoding="utf-8").read()
     assert "## Headline metrics" in report and "cider" in report
     lb = pq.read_table(out / "leaderboard.parquet").to_pylist()
-    assert len(lb) == 1 and lb[0]["run_dir"] == s["run_dir"]
+    assert s["run_dir"] in {r["run_dir"] for r in lb}
+    assert "## LLM judge" in report
 
 
 def test_flow_runs_recorded_by_prefect_api(demo_run):
@@ -77,8 +115,14 @@ def test_flow_runs_recorded_by_prefect_api(demo_run):
 
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["captionflow"])))
-        completed = [r for r in runs if r.state and r.state.is_completed()]
+        completed = {r.id for r in runs if r.state and r.state.is_completed()}
         assert len(completed) >= 2
-        tasks = client.read_task_runs()
-        names = {t.name.rsplit("-", 1)[0] for t in tasks if t.flow_run_id == completed[0].id}
-        assert {"ingest", "preprocess", "inference", "evaluate"} <= names
+        per_run: dict = {}
+        for t in client.read_task_runs():
+            if t.flow_run_id in completed:
+                per_run.setdefault(t.flow_run_id, {})[t.name.rsplit("-", 1)[0]] = t.state.name
+    fresh = [st for st in per_run.values() if st.get("inference") == "Completed"]
+    reused = [st for st in per_run.values() if st.get("inference") == "Cached"]
+    assert fresh and set(fresh[0]) >= {"ingest", "preprocess", "inference", "evaluate"}
+    assert reused and reused[0]["preprocess"] == "Cached" and reused[0]["evaluate"] == "Cached"
+    assert reused[0]["ingest"] == "Completed"  # the listing always runs

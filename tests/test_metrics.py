@@ -36,3 +36,23 @@ def test_length_stats_and_repetition():
     assert s["truncated_rate"] == pytest.approx(1 / 3) and s["failure_rate"] == pytest.approx(1 / 4)
     assert repetition("x x x x x") == pytest.approx(2 / 3)
     assert repetition("a b c d") == 0.0
+
+
+def test_java_ptb_tokenizer_and_meteor_match_pycocoevalcap():
+    import shutil
+
+    if not shutil.which("java"):
+        pytest.skip("no Java on this machine")
+    from pycocoevalcap.cider.cider import Cider
+    from pycocoevalcap.meteor.meteor import Meteor
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+    refs = {"a": ["A cat sits on a red mat.", "The cat is on the mat!"], "b": ["A dog runs in the park.", "Dog, running."]}
+    caps = {"a": "a cat on a mat", "b": "a dog in a park"}
+    agg, per = reference_metrics(caps, refs, java=True)
+    tok = PTBTokenizer()
+    gts = tok.tokenize({k: [{"caption": c} for c in v] for k, v in refs.items()})
+    res = tok.tokenize({k: [{"caption": v}] for k, v in caps.items()})
+    assert agg["meteor"] == Meteor().compute_score(gts, res)[0]
+    assert agg["cider"] == Cider().compute_score(gts, res)[0]
+    assert 0 < agg["meteor"] < 1 and set(per["a"]) >= {"meteor", "cider", "bleu_4"}

@@ -1,0 +1,156 @@
+"""Benchmark: captionflow's inference stage vs. raw ``vllm.LLM.generate`` on the same images.
+
+Both sides use the same model, the same preprocessed images (JPEG bytes from the preprocess
+stage), the same chat messages, the same sampling parameters and the same engine settings (the
+preset of ``--device``). Run in one invocation so the ratio is measured under the same load:
+
+    python bench/inference_vs_raw.py --n 192 --device cpu
+
+Prints a short table and writes JSON (``--json``, default bench/results/inference_vs_raw-<device>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def make_images(folder: Path, n: int, size=(640, 480), seed: int = 0) -> None:
+    """n deterministic synthetic 'photos': gradients, shapes and noise, as JPEGs."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    w, h = size
+    yy, xx = np.mgrid[0:h, 0:w]
+    for i in range(n):
+        base = np.stack([(xx * rng.random() + yy * rng.random()) % 256 for _ in range(3)], axis=-1)
+        noise = np.random.default_rng(seed + i).integers(0, 40, size=(h, w, 3))
+        im = Image.fromarray((base + noise).clip(0, 255).astype("uint8"))
+        d = ImageDraw.Draw(im)
+        for _ in range(6):
+            x0, y0 = rng.randrange(w), rng.randrange(h)
+            d.ellipse([x0, y0, x0 + rng.randrange(20, 200), y0 + rng.randrange(20, 200)],
+                      fill=tuple(rng.randrange(256) for _ in range(3)))
+        im.save(folder / f"img_{i:05d}.jpg", quality=90)
+
+
+def raw_vllm(cfg, model_path: str, rows: list[dict], preset) -> dict:
+    """One vllm.LLM in this process, chat over all rows."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    from PIL import Image
+    from vllm import LLM, SamplingParams
+
+    from tasks.inference import _make_request
+
+    t0 = time.perf_counter()
+    engine_kwargs = {"max_num_seqs": cfg.max_num_seqs or preset.max_num_seqs,
+                     "max_model_len": cfg.max_model_len or preset.max_model_len,
+                     "limit_mm_per_prompt": {"image": 1, "video": 0}, **preset.engine_kwargs}
+    llm = LLM(model=model_path, **engine_kwargs)
+    t_engine = time.perf_counter() - t0
+    sampling = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
+    t1 = time.perf_counter()
+    messages = []
+    for r in rows:
+        req = _make_request(r, system_prompt=cfg.system_prompt, prompt=cfg.prompt, sampling=sampling,
+                            mm_kwargs={}, fail_ids=frozenset())
+        messages.append(req["messages"])
+    outs = llm.chat(messages, SamplingParams(**sampling),
+                    mm_processor_kwargs={"max_pixels": cfg.max_pixels or preset.max_pixels}, use_tqdm=False)
+    t_gen = time.perf_counter() - t1
+    n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
+    del llm
+    return {"engine_start_s": round(t_engine, 2), "generate_s": round(t_gen, 2),
+            "total_s": round(time.perf_counter() - t0, 2), "rows": len(outs), "output_tokens": n_tok,
+            "rows_per_s_steady": round(len(outs) / t_gen, 3),
+            "rows_per_s_total": round(len(outs) / (time.perf_counter() - t0), 3)}
+
+
+def stage(cfg, manifest: dict, model) -> dict:
+    """captionflow's inference stage (Ray Data LLM), timed from shard commit times."""
+    from captionflow.storage import Store
+    from tasks.inference import run_inference
+
+    t0 = time.perf_counter()
+    wall0 = time.time_ns()
+    res = run_inference(cfg, manifest, model)
+    total = time.perf_counter() - t0
+    store = Store(cfg.output)
+    shards = store.ls(*res["run_parts"], "captions", suffix=".parquet")
+    stamps = sorted((int(os.path.basename(p).split("-")[1]), store.read_table(p).num_rows) for p in shards)
+    t_first = (stamps[0][0] - wall0) / 1e9
+    t_last = (stamps[-1][0] - wall0) / 1e9
+    after_first = sum(n for _, n in stamps[1:])
+    steady = after_first / (t_last - t_first) if t_last > t_first else float("nan")
+    return {"ray_init_s": res["timings_s"].get("ray_init_s"), "first_commit_s": round(t_first, 2),
+            "total_s": round(total, 2), "rows": res["captioned"], "failed": res["failed"],
+            "rows_per_s_steady": round(steady, 3), "rows_per_s_total": round(res["captioned"] / total, 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=192)
+    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--images", help="a folder of images instead of synthetic ones")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--json", help="where to write the results")
+    args = ap.parse_args()
+
+    from captionflow.config import RunConfig
+    from captionflow.model_source import resolve_model
+    from captionflow.presets import PRESETS
+    from captionflow.storage import Store
+    from tasks.ingest import ingest
+    from tasks.preprocess import preprocess
+
+    work = Path(tempfile.mkdtemp(prefix="cf-bench-"))
+    images = Path(args.images) if args.images else work / "images"
+    if not args.images:
+        make_images(images, args.n)
+    cfg = RunConfig(dataset=str(images), output=str(work / "out"), device=args.device,
+                    max_tokens=args.max_tokens, commit_rows=8)
+    preset = PRESETS[args.device]
+    model = resolve_model(cfg.model)
+    manifest = preprocess(ingest(cfg), cfg.output)
+    store = Store(cfg.output)
+    table = store.read_tables([store.path("datasets", manifest["dataset_fingerprint"], "shards", s)
+                               for s in manifest["shards"]], columns=["image_id", "image"])
+    rows = table.to_pylist()
+
+    results = {"device": args.device, "host": platform.node(), "cpus": os.cpu_count(), "n": len(rows),
+               "max_tokens": args.max_tokens, "model": cfg.model}
+    results["raw_vllm"] = raw_vllm(cfg, model.path, rows, preset)
+    results["stage"] = stage(cfg, manifest, model)
+    a, b = results["raw_vllm"], results["stage"]
+    results["ratios"] = {
+        "stage_vs_raw_steady": round(b["rows_per_s_steady"] / a["rows_per_s_steady"], 3),
+        "stage_vs_raw_total": round(b["rows_per_s_total"] / a["rows_per_s_total"], 3),
+    }
+    print(f"{'':22}{'raw vLLM':>12}{'stage':>12}")
+    print(f"{'rows/s steady':22}{a['rows_per_s_steady']:>12}{b['rows_per_s_steady']:>12}")
+    print(f"{'rows/s incl. start':22}{a['rows_per_s_total']:>12}{b['rows_per_s_total']:>12}")
+    print(f"{'start (engine / ray)':22}{a['engine_start_s']:>12}{b['ray_init_s']!s:>12}")
+    print(f"{'first result s':22}{a['engine_start_s']:>12}{b['first_commit_s']:>12}")
+    print(f"{'total s':22}{a['total_s']:>12}{b['total_s']:>12}")
+    print("ratios:", json.dumps(results["ratios"]))
+    out = Path(args.json or Path(__file__).parent / "results" / f"inference_vs_raw-{args.device}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print("wrote", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""Evaluate a list of checkpoints on one dataset, in order, and return the leaderboard.
+
+The dataset is preprocessed once (the other runs hit the preprocess cache). Checkpoints run in
+sequence: on one GPU host each run uses the GPU in turn. On a Ray cluster with room for several
+engines, run the flow with prefect-ray's ``RayTaskRunner`` and ``concurrency`` instead (mind its
+open issue: remote Ray workers do not inherit ``PREFECT_API_URL``; set it in the runtime env).
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from captionflow.config import RunConfig
+from captionflow.model_source import resolve_model
+from captionflow.storage import Store
+from flows.caption_flow import caption_flow
+from tasks.evaluate import LEADERBOARD
+
+
+@flow(name="captionflow-compare")
+def compare_checkpoints(config: RunConfig = RunConfig(), models: list[str] = ["builtin"]) -> dict:
+    """Run the caption flow for each checkpoint (training order) and return their leaderboard rows."""
+    resolved = [resolve_model(m) for m in models]  # every checkpoint checked before any run starts
+    runs = [caption_flow(config=config.model_copy(update={"model": m})) for m in models]
+    store = Store(config.output)
+    board = store.read_table(store.path(LEADERBOARD)).to_pylist()
+    wanted = {r["run_dir"] for r in runs}
+    rows = sorted((r for r in board if r["run_dir"] in wanted), key=lambda r: [x["run_dir"] for x in runs].index(r["run_dir"]))
+    return {"runs": runs, "leaderboard": rows, "models": [m.fingerprint for m in resolved]}

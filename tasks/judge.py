@@ -1,0 +1,127 @@
+"""Optional LLM-as-judge pass: a VLM scores each caption against its image (and references) from 1 to 5.
+
+The answer is constrained with vLLM structured outputs to a regular expression whose every match
+is valid JSON of bounded length (a score digit 1-5 and a reason of at most 80 plain characters),
+and ``max_tokens`` leaves room for the longest match. So every answer parses, even from the tiny
+random built-in model. Rows the engine rejects are recorded with their error in
+``judge/<judge-fp>/failures`` and never counted as judged; the pass is resumable like captioning.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+
+import pyarrow as pa
+from prefect import task
+
+from captionflow.config import RunConfig
+from captionflow.fingerprint import digest
+from captionflow.model_source import ResolvedModel
+from captionflow.retry import retry_transient
+from captionflow.storage import Store
+from tasks.inference import (build_vlm_processor, choose_preset, ids_in, image_messages, init_ray, read_pending,
+                             stream_and_commit)
+
+JUDGE_REGEX = r'\{"score": [1-5], "reason": "[A-Za-z0-9 ,.;:()-]{0,80}"\}'
+JUDGE_MAX_TOKENS = 160  # >= the longest match even at one character per token
+JUDGE_SYSTEM = "You are a strict judge of image captions. You answer only in JSON."
+JUDGE_SCHEMA = pa.schema([
+    ("image_id", pa.string()), ("score", pa.int64()), ("reason", pa.string()), ("raw", pa.string()),
+    ("error", pa.string()), ("attempt", pa.int64()),
+])
+
+
+def judge_prompt(caption: str, references: list[str]) -> str:
+    refs = "".join(f"\n- {r}" for r in references)
+    return (f"Caption to judge: {caption!r}\n"
+            + (f"Reference captions written by people:{refs}\n" if references else "")
+            + 'Rate how accurately the caption describes the image, from 1 (wrong) to 5 (perfect). '
+              'Answer as {"score": <1-5>, "reason": "<short reason>"}.')
+
+
+def _judge_request(row: dict, *, captions: dict, sampling: dict, mm_kwargs: dict) -> dict:
+    text = judge_prompt(captions[row["image_id"]], list(row.get("references") or []))
+    return {"image_id": row["image_id"], "messages": image_messages(JUDGE_SYSTEM, row["image"], text),
+            "sampling_params": sampling, "mm_processor_kwargs": mm_kwargs}
+
+
+def parse_judgement(text: str) -> tuple[int, str]:
+    obj = json.loads(text)
+    score = int(obj["score"])
+    if not 1 <= score <= 5:
+        raise ValueError(f"score {score} out of range")
+    return score, str(obj.get("reason", ""))
+
+
+def _judge_out(row: dict, *, attempt: int) -> dict:
+    raw = row.get("generated_text") or ""
+    try:
+        score, reason = parse_judgement(raw)
+        err = ""
+    except (ValueError, KeyError, TypeError) as e:
+        score, reason, err = None, "", f"unparseable judge answer ({e}): {raw[:200]!r}"
+    return {"image_id": row["image_id"], "score": score, "reason": reason, "raw": raw, "error": err, "attempt": attempt}
+
+
+def _fixed(row: dict, *, attempt: int) -> dict:
+    err = row.get("__inference_error__") or ""
+    if err:
+        return {"image_id": row["image_id"], "score": None, "reason": "", "raw": "", "error": str(err)[:2000],
+                "attempt": attempt}
+    return {k: row[k] for k in JUDGE_SCHEMA.names}
+
+
+def judge_paths(run_parts: list[str], judge: ResolvedModel) -> tuple[str, ...]:
+    fp = digest({"model": judge.fingerprint, "regex": JUDGE_REGEX, "system": JUDGE_SYSTEM,
+                 "prompt": judge_prompt("{caption}", ["{reference}"])})
+    return (*run_parts, "judge", fp)
+
+
+def run_judge(cfg: RunConfig, manifest: dict, inference: dict, judge: ResolvedModel) -> dict:
+    """Judge every captioned row not judged yet; returns counts, parse rate and the mean score."""
+    t0 = time.perf_counter()
+    store = Store(cfg.output)
+    run = list(inference["run_parts"])
+    base = judge_paths(run, judge)
+    caps = store.read_tables(store.ls(*run, "captions", suffix=".parquet"), columns=["image_id", "caption"])
+    captions = dict(zip(caps["image_id"].to_pylist(), caps["caption"].to_pylist())) if caps is not None else {}
+    done = ids_in(store, store.ls(*base, "scores", suffix=".parquet"))
+    shard_paths = [store.path("datasets", manifest["dataset_fingerprint"], "shards", s) for s in manifest["shards"]]
+    passes = []
+    for attempt in range(cfg.row_retries + 1):
+        pending = sorted(set(captions) - done)
+        if not pending:
+            break
+        init_ray(cfg)
+        preset = choose_preset(cfg)
+        ds = read_pending(store, shard_paths, ["image_id", "image", "references"], pending, preset)
+        sampling = {"max_tokens": JUDGE_MAX_TOKENS, "temperature": 0.0, "seed": cfg.seed,
+                    "structured_outputs": {"regex": JUDGE_REGEX}}
+        processor = build_vlm_processor(
+            cfg, judge, preset,
+            preprocess=functools.partial(_judge_request, captions=captions, sampling=sampling,
+                                         mm_kwargs={"max_pixels": cfg.max_pixels or preset.max_pixels}),
+            postprocess=functools.partial(_judge_out, attempt=attempt),
+        )
+        out = processor(ds).map(functools.partial(_fixed, attempt=attempt), num_cpus=preset.map_cpus)
+        n_ok, n_failed, _ = stream_and_commit(out, store, base, ("scores", "failures"), JUDGE_SCHEMA, done,
+                                              cfg.commit_rows)
+        passes.append({"attempt": attempt, "sent": len(pending), "judged": n_ok, "failed": n_failed})
+    scores = store.read_tables(store.ls(*base, "scores", suffix=".parquet"))
+    rows = scores.to_pylist() if scores is not None else []
+    failures = store.read_tables(store.ls(*base, "failures", suffix=".parquet"))
+    n_unparsed = sum(1 for r in failures.to_pylist() if r["error"].startswith("unparseable")) if failures else 0
+    values = [r["score"] for r in rows]
+    return {
+        "judge_model": judge.source, "judge_dir": store.url(*base), "judged": len(rows),
+        "failed": len(captions) - len(rows),
+        "parse_rate": len(rows) / (len(rows) + n_unparsed) if rows or n_unparsed else 0.0,
+        "mean_score": sum(values) / len(values) if values else None,
+        "distribution": {str(k): values.count(k) for k in range(1, 6)},
+        "passes": passes, "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+judge_task = task(name="judge", retries=1, retry_delay_seconds=[10], retry_condition_fn=retry_transient)(run_judge)
