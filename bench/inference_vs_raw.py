@@ -123,7 +123,7 @@ def main() -> int:
                     max_tokens=args.max_tokens, commit_rows=8)
     preset = PRESETS[args.device]
     model = resolve_model(cfg.model)
-    manifest = preprocess(ingest(cfg), cfg.output)
+    manifest = preprocess(ingest(cfg), cfg)
     store = Store(cfg.output)
     table = store.read_tables([store.path("datasets", manifest["dataset_fingerprint"], "shards", s)
                                for s in manifest["shards"]], columns=["image_id", "image"])

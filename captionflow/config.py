@@ -38,6 +38,14 @@ class RunConfig(BaseModel):
     max_image_side: int = Field(
         448, ge=28, title="Longest image side (px)",
         description="Preprocess bounds every image's longest side to this (the vision-token budget).")
+    max_input_pixels: int = Field(
+        64_000_000, ge=1, title="Pixel budget per input image",
+        description="Inputs with more pixels are quarantined from their header, before decoding (decompression bombs).")
+    image_column: Optional[str] = Field(
+        None, title="Parquet image column", description="Default: the first of image, img, image_bytes, jpg, png.")
+    caption_column: Optional[str] = Field(
+        None, title="Parquet reference-caption column",
+        description="Default: the first of captions, caption, text, sentences, references (if any).")
     max_pixels: Optional[int] = Field(
         None, title="Max pixels seen by the model",
         description="Passed to the model's image processor (mm_processor_kwargs). Default: the preset's.")
@@ -56,7 +64,8 @@ class RunConfig(BaseModel):
         None, ge=1, title="Logical CPUs for a local Ray",
         description="Default: enough for every pipeline stage to be placed at once (see README: resource sizing).")
     force_preprocess: bool = Field(False, title="Rebuild the preprocessed dataset even if it exists")
-    shard_rows: int = Field(256, ge=1, title="Rows per Parquet shard")
+    shard_rows: int = Field(256, ge=1, title="Rows per Parquet shard (at most)")
+    shard_mb: int = Field(256, ge=1, title="Megabytes of image data per Parquet shard (at most)")
     row_retries: int = Field(2, ge=0, title="Extra passes over rows whose inference failed")
     judge: bool = Field(False, title="LLM-as-judge pass",
                         description="Score each caption 1-5 against its image (and references) with a VLM.")

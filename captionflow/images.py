@@ -53,6 +53,19 @@ class Rejected(Exception):
         self.detail = detail
 
 
+_MAGIC = [
+    (b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"),
+    (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"), (b"BM", "BMP"),
+]
+
+
+def sniff_format(data: bytes) -> str | None:
+    """The image format a file's first bytes announce, if any."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    return next((name for magic, name in _MAGIC if data.startswith(magic)), None)
+
+
 def content_id(data: bytes) -> str:
     """Stable image id: the content hash of the original bytes."""
     return hashlib.blake2b(data, digest_size=16).hexdigest()
@@ -89,6 +102,9 @@ def normalise_image(data: bytes, max_side: int, max_input_pixels: int = MAX_INPU
     try:
         im = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
+        fmt = sniff_format(data)
+        if fmt:  # an image signature whose header does not parse: a broken image, not a non-image
+            raise Rejected("decode_error", f"{fmt} signature but the header does not parse ({len(data)} bytes)") from None
         raise Rejected("not_an_image", f"no image format recognised; content starts {data[:24]!r}") from None
     except Exception as e:  # PIL raises various errors on a broken header
         raise Rejected("decode_error", f"{type(e).__name__}: {e}"[:300]) from None

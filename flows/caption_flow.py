@@ -84,7 +84,7 @@ def caption_flow(config: RunConfig = RunConfig()) -> dict:
 
     t = time.perf_counter()
     key = None if config.force_preprocess else f"preprocess-{ing.dataset_fingerprint}"
-    manifest, hit = _run(preprocess_task, key, storage, ing, config.output)
+    manifest, hit = _run(preprocess_task, key, storage, ing, config)
     cached += ["preprocess"] if hit else []
     timings["preprocess_s"] = round(time.perf_counter() - t, 2)
     logger.info("dataset %s: %s%s", manifest["dataset_fingerprint"], manifest["counts"],

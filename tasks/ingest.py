@@ -1,8 +1,16 @@
 """Stage 1, ingest: list the inputs, read reference captions, fingerprint the dataset.
 
-Every listed input is accounted for downstream: it ends as exactly one accepted row or one
-quarantine row (checked by preprocess). When the dataset folder for this fingerprint already
-holds a finished manifest, the expensive decode pass is skipped (golden sets).
+Sources, one code path (any fsspec URI: a local path or ``s3://``):
+- a folder of images, recursive; formats are detected from content, never from file names;
+  reference captions may come from a sidecar ``captions.jsonl`` (``{"file_name", "captions"}``)
+  or ``captions.csv`` (``file_name,caption``, one row per caption);
+- Parquet files, or a folder of them, with an image column (Hugging Face ``datasets`` style
+  struct ``{bytes, path}`` or plain binary) and an optional reference-caption column (string or
+  list of strings).
+
+The listing is cheap (names, sizes, mtimes / ETags, Parquet row counts from the footers) and
+decides the dataset fingerprint: when ``datasets/<fingerprint>/manifest.json`` exists the
+decode pass is skipped (golden sets); an added, removed or modified file changes the fingerprint.
 """
 
 from __future__ import annotations
@@ -10,20 +18,20 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 from dataclasses import asdict, dataclass, field
 
 from prefect import task
 
-from captionflow.retry import retry_transient
-
 from captionflow.config import RunConfig
 from captionflow.demo_data import ensure_demo_dataset
 from captionflow.fingerprint import digest
+from captionflow.retry import retry_transient
 from captionflow.storage import Store, open_fs
 
 SCHEMA_VERSION = 1
 SIDECAR_NAMES = ("captions.jsonl", "captions.csv")
+IMAGE_COLUMNS = ("image", "img", "image_bytes", "jpg", "png")
+CAPTION_COLUMNS = ("captions", "caption", "text", "sentences", "references")
 
 
 class DatasetError(ValueError):
@@ -31,19 +39,16 @@ class DatasetError(ValueError):
 
 
 @dataclass
-class Listing:
-    source: str  # resolved URI of the folder
-    files: list[dict]  # {"path", "name", "size", "mtime"} sorted by name
-    references: dict[str, list[str]] = field(default_factory=dict)  # relative name -> captions
-
-
-@dataclass
 class IngestResult:
     dataset_fingerprint: str
     dataset_dir: str  # URI under the output root
     source: str
-    files: list[dict]
-    references: dict[str, list[str]]
+    kind: str  # "images" | "parquet"
+    files: list[dict]  # {"path", "name", "size", "mtime", "etag"} (+ "rows", "row_groups" for parquet)
+    n_inputs: int  # images listed, or Parquet rows
+    references: dict[str, list[str]]  # images: file name -> captions (sidecar)
+    image_column: str | None
+    caption_column: str | None
     preprocess_params: dict
     already_preprocessed: bool
 
@@ -76,35 +81,90 @@ def _read_sidecar(fs, path: str) -> dict[str, list[str]]:
     return refs
 
 
-def list_folder(uri: str) -> Listing:
-    """Recursive listing of a folder (local or fsspec URI); hidden files and sidecars excluded."""
-    fs, root = open_fs(uri)
-    if not fs.exists(root):
+@dataclass
+class Listing:
+    source: str
+    kind: str
+    files: list[dict]
+    references: dict[str, list[str]] = field(default_factory=dict)
+    image_column: str | None = None
+    caption_column: str | None = None
+
+
+def _file_info(path: str, name: str, info: dict) -> dict:
+    mtime = info.get("mtime") or info.get("LastModified") or info.get("created") or ""
+    return {"path": path, "name": name, "size": int(info.get("size") or 0), "mtime": str(mtime),
+            "etag": str(info.get("ETag") or "")}
+
+
+def list_source(uri: str, image_column: str | None = None, caption_column: str | None = None) -> Listing:
+    """List a folder of images or Parquet files (local or fsspec URI)."""
+    try:
+        fs, root = open_fs(uri)
+        exists = fs.exists(root)
+    except Exception as e:  # bad credentials, unknown bucket, unreachable endpoint
+        raise DatasetError(f"dataset {uri!r}: cannot access it ({type(e).__name__}: {e})") from None
+    if not exists:
         raise DatasetError(f"dataset {uri!r} does not exist")
-    if not fs.isdir(root):
-        raise DatasetError(f"dataset {uri!r} is not a folder")
-    files, refs = [], {}
-    for path, info in sorted(fs.find(root, detail=True).items()):
-        rel = path[len(root):].lstrip("/")
-        if any(part.startswith(".") for part in rel.split("/")):
-            continue
-        if rel in SIDECAR_NAMES:
-            refs.update(_read_sidecar(fs, path))
-            continue
-        mtime = info.get("mtime") or info.get("LastModified") or info.get("created") or ""
-        files.append({"path": path, "name": rel, "size": int(info.get("size") or 0),
-                      "mtime": str(mtime), "etag": str(info.get("ETag") or "")})
-    if not files:
-        raise DatasetError(f"dataset {uri!r} contains no files")
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     source = root if protocol in ("file", "local") else f"{protocol}://{root}"
-    return Listing(source=source, files=files, references=refs)
+    if fs.isfile(root):
+        if not root.endswith(".parquet"):
+            raise DatasetError(f"dataset {uri!r} is a file: pass a folder of images or a .parquet file")
+        files = [_file_info(root, root.rsplit("/", 1)[-1], fs.info(root))]
+    else:
+        files, refs = [], {}
+        for path, info in sorted(fs.find(root, detail=True).items()):
+            rel = path[len(root):].lstrip("/")
+            if not rel or any(part.startswith(".") for part in rel.split("/")):
+                continue
+            if rel in SIDECAR_NAMES:
+                refs.update(_read_sidecar(fs, path))
+                continue
+            files.append(_file_info(path, rel, info))
+        if not files:
+            raise DatasetError(f"dataset {uri!r} contains no files")
+        if not all(f["name"].endswith(".parquet") for f in files):
+            return Listing(source=source, kind="images", files=files, references=refs)
+    return _parquet_listing(fs, source, files, image_column, caption_column)
+
+
+def _parquet_listing(fs, source: str, files: list[dict], image_column: str | None,
+                     caption_column: str | None) -> Listing:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = None
+    for f in files:
+        try:
+            with fs.open(f["path"], "rb") as fh:
+                meta = pq.ParquetFile(fh)
+                f["rows"] = meta.metadata.num_rows
+                f["row_groups"] = meta.metadata.num_row_groups
+                schema = schema or meta.schema_arrow
+        except Exception as e:
+            raise DatasetError(f"{f['path']}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+    names = schema.names
+    img = image_column or next((c for c in IMAGE_COLUMNS if c in names), None)
+    if img is None or img not in names:
+        raise DatasetError(f"{source}: no image column (looked for {image_column or IMAGE_COLUMNS}; has {names})")
+    t = schema.field(img).type
+    ok = pa.types.is_binary(t) or pa.types.is_large_binary(t) or (
+        pa.types.is_struct(t) and t.get_field_index("bytes") >= 0)
+    if not ok:
+        raise DatasetError(f"{source}: column {img!r} is {t}; expected binary or a struct {{bytes, path}}")
+    cap = caption_column or next((c for c in CAPTION_COLUMNS if c in names), None)
+    if caption_column and caption_column not in names:
+        raise DatasetError(f"{source}: no caption column {caption_column!r} (has {names})")
+    return Listing(source=source, kind="parquet", files=files, image_column=img, caption_column=cap)
 
 
 def ingest(cfg: RunConfig) -> IngestResult:
     """List the dataset and decide whether its preprocessed form already exists."""
-    listing = list_folder(resolve_dataset(cfg.dataset))
-    params = {"max_image_side": cfg.max_image_side, "shard_rows": cfg.shard_rows, "schema_version": SCHEMA_VERSION}
+    listing = list_source(resolve_dataset(cfg.dataset), cfg.image_column, cfg.caption_column)
+    params = {"max_image_side": cfg.max_image_side, "shard_rows": cfg.shard_rows, "shard_mb": cfg.shard_mb,
+              "max_input_pixels": cfg.max_input_pixels, "schema_version": SCHEMA_VERSION,
+              "image_column": listing.image_column, "caption_column": listing.caption_column}
     fp = digest({
         "files": [(f["name"], f["size"], f["mtime"], f["etag"]) for f in listing.files],
         "references": listing.references,
@@ -115,10 +175,12 @@ def ingest(cfg: RunConfig) -> IngestResult:
     if store.exists("datasets", fp, "manifest.json") and not cfg.force_preprocess:
         manifest = store.read_json("datasets", fp, "manifest.json")
         manifest_ok = manifest.get("dataset_fingerprint") == fp and manifest.get("schema_version") == SCHEMA_VERSION
+    n_inputs = sum(f.get("rows", 1) for f in listing.files)
     return IngestResult(
-        dataset_fingerprint=fp, dataset_dir=store.url("datasets", fp), source=listing.source,
-        files=listing.files, references=listing.references, preprocess_params=params,
-        already_preprocessed=manifest_ok,
+        dataset_fingerprint=fp, dataset_dir=store.url("datasets", fp), source=listing.source, kind=listing.kind,
+        files=listing.files, n_inputs=n_inputs, references=listing.references,
+        image_column=listing.image_column, caption_column=listing.caption_column,
+        preprocess_params=params, already_preprocessed=manifest_ok,
     )
 
 

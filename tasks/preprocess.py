@@ -1,21 +1,27 @@
 """Stage 2, preprocess: decode, check and normalise every listed input; write Parquet shards.
 
-Each input is decoded once here. It ends in exactly one place: an accepted row in a shard
-(``shards/part-NNNNN.parquet``) or a row of ``quarantine.parquet`` with a reason from
-``captionflow.images.REASONS``. ``manifest.json`` is written last: a dataset folder without it
-is unfinished and is rebuilt.
+A streaming Ray Data pipeline: the listing becomes work items (one per image file, or one per
+Parquet row group), ``flat_map`` decodes and normalises them on every core, and the driver
+pulls the results in listing order and commits them: accepted rows into shards
+(``shards/part-NNNNN.parquet``, bounded in rows and bytes), rejected inputs into
+``quarantine.parquet`` with a reason from ``captionflow.images.REASONS``. Memory stays bounded
+by Ray Data's backpressure and one open shard, whatever the dataset size. Each input is decoded
+exactly once and ends in exactly one place; ``manifest.json`` is written last, so a dataset
+folder without it is unfinished and is rebuilt.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import time
 
 import pyarrow as pa
 from prefect import task
 
+from captionflow.config import RunConfig
+from captionflow.images import Rejected, normalise_image
 from captionflow.retry import retry_transient
-
-from captionflow.images import normalise_image, Rejected
 from captionflow.storage import Store, open_fs
 from tasks.ingest import SCHEMA_VERSION, IngestResult
 
@@ -33,11 +39,99 @@ SHARD_SCHEMA = pa.schema([
 QUARANTINE_SCHEMA = pa.schema([
     ("source", pa.string()), ("reason", pa.string()), ("detail", pa.string()), ("size_bytes", pa.int64()),
 ])
+FILES_PER_TASK = 32
 
 
-def preprocess(ing: IngestResult, output: str) -> dict:
+def _result(source: str, data: bytes, refs: list[str], max_side: int, max_pixels: int) -> dict:
+    row = {"source": source, "image_id": "", "image": b"", "width": 0, "height": 0, "orig_format": "",
+           "orig_width": 0, "orig_height": 0, "references": refs, "reason": "", "detail": "",
+           "size_bytes": len(data)}
+    try:
+        n = normalise_image(data, max_side, max_pixels)
+    except Rejected as r:
+        row.update(reason=r.reason, detail=r.detail)
+        return row
+    row.update(image_id=n.image_id, image=n.data, width=n.width, height=n.height, orig_format=n.orig_format,
+               orig_width=n.orig_width, orig_height=n.orig_height)
+    return row
+
+
+def _process_item(item: dict, *, fs, kind: str, image_column: str | None, caption_column: str | None,
+                  references: dict, max_side: int, max_pixels: int) -> list[dict]:
+    """One work item -> result rows (accepted: image_id set; rejected: reason set)."""
+    if kind == "images":
+        try:
+            data = fs.cat_file(item["path"])
+        except OSError as e:
+            return [{**_result(item["name"], b"", [], max_side, max_pixels), "reason": "unreadable",
+                     "detail": f"{type(e).__name__}: {e}"[:300], "size_bytes": item["size"]}]
+        return [_result(item["name"], data, references.get(item["name"], []), max_side, max_pixels)]
+    import pyarrow.parquet as pq
+
+    with fs.open(item["path"], "rb") as fh:
+        cols = [image_column] + ([caption_column] if caption_column else [])
+        t = pq.ParquetFile(fh).read_row_group(item["row_group"], columns=cols)
+    out = []
+    images = t.column(image_column).to_pylist()
+    caps = t.column(caption_column).to_pylist() if caption_column else [None] * len(images)
+    for i, (img, cap) in enumerate(zip(images, caps)):
+        source = f"{item['name']}#{item['first_row'] + i}"
+        if isinstance(img, dict):
+            source = f"{source}:{img.get('path')}" if img.get("path") else source
+            img = img.get("bytes")
+        refs = [cap] if isinstance(cap, str) else [str(c) for c in cap] if cap else []
+        out.append(_result(source, img or b"", refs, max_side, max_pixels))
+    return out
+
+
+def work_items(ing: IngestResult) -> list[dict]:
+    if ing.kind == "images":
+        return [{"path": f["path"], "name": f["name"], "size": f["size"], "row_group": -1, "first_row": 0}
+                for f in ing.files]
+    items = []
+    fs, _ = open_fs(ing.source)
+    import pyarrow.parquet as pq
+
+    for f in ing.files:
+        with fs.open(f["path"], "rb") as fh:
+            meta = pq.ParquetFile(fh).metadata
+        first = 0
+        for g in range(meta.num_row_groups):
+            items.append({"path": f["path"], "name": f["name"], "size": f["size"], "row_group": g, "first_row": first})
+            first += meta.row_group(g).num_rows
+    return items
+
+
+class _ShardWriter:
+    """Accepted rows -> shards bounded by rows and bytes, each committed atomically."""
+
+    def __init__(self, store: Store, base: tuple[str, ...], max_rows: int, max_bytes: int):
+        self.store, self.base, self.max_rows, self.max_bytes = store, base, max_rows, max_bytes
+        self.rows: list[dict] = []
+        self.nbytes = 0
+        self.shards: list[str] = []
+
+    def add(self, row: dict) -> None:
+        self.rows.append({k: row[k] for k in SHARD_SCHEMA.names})
+        self.nbytes += len(row["image"])
+        if len(self.rows) >= self.max_rows or self.nbytes >= self.max_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.rows:
+            name = f"part-{len(self.shards):05d}.parquet"
+            self.store.write_table(pa.Table.from_pylist(self.rows, schema=SHARD_SCHEMA), *self.base, "shards", name)
+            self.shards.append(name)
+            self.rows, self.nbytes = [], 0
+
+
+def preprocess(ing: IngestResult, cfg: RunConfig) -> dict:
     """Build the dataset folder for ``ing`` (or reuse it) and return its manifest."""
-    store = Store(output)
+    import ray
+
+    from tasks.inference import init_ray
+
+    store = Store(cfg.output)
     base = ("datasets", ing.dataset_fingerprint)
     if ing.already_preprocessed:
         manifest = store.read_json(*base, "manifest.json")
@@ -45,60 +139,53 @@ def preprocess(ing: IngestResult, output: str) -> dict:
         return manifest
     t0 = time.perf_counter()
     store.remove(*base)  # an unfinished or forced rebuild starts clean
-    max_side = ing.preprocess_params["max_image_side"]
-    shard_rows = ing.preprocess_params["shard_rows"]
+    init_ray(cfg)
     fs, _ = open_fs(ing.source)
-    rows: list[dict] = []
+    params = ing.preprocess_params
+    items = work_items(ing)
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True  # listing order: the first of duplicates is kept
+    # One task per physical core: a local Ray declares more logical CPUs than cores (presets.py).
+    physical = os.cpu_count() or 1
+    logical = ray.cluster_resources().get("CPU", physical)
+    per_task = max(1.0, logical / physical) if not (cfg.ray_address or os.environ.get("RAY_ADDRESS")) else 1.0
+    n_blocks = max(1, min(len(items), (len(items) + FILES_PER_TASK - 1) // FILES_PER_TASK if ing.kind == "images"
+                          else len(items)))
+    ds = ray.data.from_items(items, override_num_blocks=n_blocks).flat_map(
+        functools.partial(_process_item, fs=fs, kind=ing.kind, image_column=ing.image_column,
+                          caption_column=ing.caption_column, references=ing.references,
+                          max_side=params["max_image_side"], max_pixels=params["max_input_pixels"]),
+        num_cpus=per_task)
+    writer = _ShardWriter(store, base, params["shard_rows"], params["shard_mb"] * 2**20)
     quarantine: list[dict] = []
     seen: dict[str, str] = {}
-    shards: list[str] = []
-
-    def flush() -> None:
-        if rows:
-            name = f"part-{len(shards):05d}.parquet"
-            store.write_table(pa.Table.from_pylist(rows, schema=SHARD_SCHEMA), *base, "shards", name)
-            shards.append(name)
-            rows.clear()
-
-    for f in ing.files:
-        try:
-            data = fs.cat_file(f["path"])
-        except OSError as e:
-            quarantine.append({"source": f["name"], "reason": "unreadable", "detail": str(e)[:300], "size_bytes": f["size"]})
-            continue
-        try:
-            norm = normalise_image(data, max_side)
-        except Rejected as r:
-            quarantine.append({"source": f["name"], "reason": r.reason, "detail": r.detail, "size_bytes": len(data)})
-            continue
-        if norm.image_id in seen:
-            quarantine.append({"source": f["name"], "reason": "duplicate",
-                               "detail": f"same content as {seen[norm.image_id]}", "size_bytes": len(data)})
-            continue
-        seen[norm.image_id] = f["name"]
-        rows.append({
-            "image_id": norm.image_id, "source": f["name"], "image": norm.data, "width": norm.width,
-            "height": norm.height, "orig_format": norm.orig_format, "orig_width": norm.orig_width,
-            "orig_height": norm.orig_height, "references": ing.references.get(f["name"], []),
-        })
-        if len(rows) >= shard_rows:
-            flush()
-    flush()
+    n_seen = 0
+    for row in ds.iter_rows():
+        n_seen += 1
+        if row["reason"]:
+            quarantine.append({k: row[k] for k in QUARANTINE_SCHEMA.names})
+        elif row["image_id"] in seen:
+            quarantine.append({"source": row["source"], "reason": "duplicate",
+                               "detail": f"same content as {seen[row['image_id']]}", "size_bytes": row["size_bytes"]})
+        else:
+            seen[row["image_id"]] = row["source"]
+            writer.add(row)
+    writer.flush()
     store.write_table(pa.Table.from_pylist(quarantine, schema=QUARANTINE_SCHEMA), *base, "quarantine.parquet")
-    accepted = len(seen)
+    reasons: dict[str, int] = {}
+    for q in quarantine:
+        reasons[q["reason"]] = reasons.get(q["reason"], 0) + 1
     counts = {
-        "listed": len(ing.files), "accepted": accepted,
-        "quarantined": sum(1 for q in quarantine if q["reason"] != "duplicate"),
-        "duplicates": sum(1 for q in quarantine if q["reason"] == "duplicate"),
-        "with_references": sum(1 for name in seen.values() if ing.references.get(name)),
+        "listed": ing.n_inputs, "accepted": len(seen),
+        "quarantined": len(quarantine) - reasons.get("duplicate", 0), "duplicates": reasons.get("duplicate", 0),
     }
-    if counts["accepted"] + counts["quarantined"] + counts["duplicates"] != counts["listed"]:
-        raise AssertionError(f"accounting broken: {counts}")  # every input ends in exactly one place
+    if n_seen != ing.n_inputs or counts["accepted"] + counts["quarantined"] + counts["duplicates"] != ing.n_inputs:
+        # every input ends in exactly one place, or the dataset is not committed
+        raise AssertionError(f"accounting broken: {n_seen} results for {ing.n_inputs} inputs, counts {counts}")
     manifest = {
-        "dataset_fingerprint": ing.dataset_fingerprint, "schema_version": SCHEMA_VERSION,
-        "source": ing.source, "counts": counts, "shards": shards, "params": ing.preprocess_params,
-        "quarantine_reasons": sorted({q["reason"] for q in quarantine}),
-        "seconds": round(time.perf_counter() - t0, 3),
+        "dataset_fingerprint": ing.dataset_fingerprint, "schema_version": SCHEMA_VERSION, "source": ing.source,
+        "kind": ing.kind, "counts": counts, "quarantine_reasons": reasons, "shards": writer.shards,
+        "params": params, "seconds": round(time.perf_counter() - t0, 3),
     }
     store.write_json(manifest, *base, "manifest.json")
     manifest["skipped"] = False
@@ -106,4 +193,4 @@ def preprocess(ing: IngestResult, output: str) -> dict:
 
 
 preprocess_task = task(name="preprocess", retries=2, retry_delay_seconds=[2, 10],
-                   retry_condition_fn=retry_transient)(preprocess)
+                       retry_condition_fn=retry_transient)(preprocess)

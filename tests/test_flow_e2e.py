@@ -76,6 +76,15 @@ def test_judge_answers_always_parse(demo_run):
     assert all(r["judge_score"] in {1, 2, 3, 4, 5} for r in scores)
 
 
+def test_report_and_leaderboard_written(demo_run):
+    out, s, _ = demo_run
+    report = open(s["report"], encoding="utf-8").read()
+    assert "## Headline metrics" in report and "cider" in report
+    lb = pq.read_table(out / "leaderboard.parquet").to_pylist()
+    assert s["run_dir"] in {r["run_dir"] for r in lb}
+    assert "## LLM judge" in report
+
+
 def test_second_checkpoint_compared_on_leaderboard(demo_run, tmp_path_factory):
     from captionflow.builtin_model import build_builtin_model
     from captionflow.cli import main
@@ -98,15 +107,6 @@ def test_second_checkpoint_compared_on_leaderboard(demo_run, tmp_path_factory):
         second["metrics"]["reference"]["cider"] - s["metrics"]["reference"]["cider"])
     report = open(second["report"], encoding="utf-8").read()
     assert "Against earlier checkpoints" in report
-
-
-def test_report_and_leaderboard_written(demo_run):
-    out, s, _ = demo_run
-    report = open(s["report"], encoding="utf-8").read()
-    assert "## Headline metrics" in report and "cider" in report
-    lb = pq.read_table(out / "leaderboard.parquet").to_pylist()
-    assert s["run_dir"] in {r["run_dir"] for r in lb}
-    assert "## LLM judge" in report
 
 
 def test_flow_runs_recorded_by_prefect_api(demo_run):

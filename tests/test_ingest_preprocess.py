@@ -1,0 +1,138 @@
+"""Ingest + preprocess: every input lands in exactly one place, from any source."""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from captionflow.config import RunConfig
+from captionflow.storage import Store
+from hostile import ACCEPTED, build_corpus
+from tasks.ingest import DatasetError, ingest
+from tasks.preprocess import preprocess
+
+
+def _outcomes(cfg: RunConfig, manifest: dict) -> dict[str, str]:
+    store = Store(cfg.output)
+    base = ("datasets", manifest["dataset_fingerprint"])
+    acc = store.read_tables([store.path(*base, "shards", s) for s in manifest["shards"]])
+    q = store.read_table(store.path(*base, "quarantine.parquet")).to_pylist()
+    out = {s: ACCEPTED for s in (acc.column("source").to_pylist() if acc is not None else [])}
+    for r in q:
+        assert r["source"] not in out, f"{r['source']} landed twice"
+        assert r["detail"], r
+        out[r["source"]] = r["reason"]
+    return out
+
+
+def test_hostile_corpus_every_file_in_exactly_one_place(tmp_path):
+    expected = build_corpus(tmp_path / "corpus")
+    cfg = RunConfig(dataset=str(tmp_path / "corpus"), output=str(tmp_path / "out"), shard_rows=4)
+    ing = ingest(cfg)
+    assert ing.n_inputs == len(expected)  # hidden files are not inputs
+    m = preprocess(ing, cfg)
+    assert _outcomes(cfg, m) == expected
+    c = m["counts"]
+    assert c["accepted"] + c["quarantined"] + c["duplicates"] == c["listed"] == len(expected)
+    assert len(m["shards"]) == -(-c["accepted"] // 4)  # shards bounded by shard_rows
+    store = Store(cfg.output)
+    rows = store.read_tables([store.path("datasets", m["dataset_fingerprint"], "shards", s) for s in m["shards"]]).to_pylist()
+    for r in rows:
+        assert max(r["width"], r["height"]) <= cfg.max_image_side
+        assert Image.open(io.BytesIO(r["image"])).mode == "RGB"
+    by_source = {r["source"]: r for r in rows}
+    assert (by_source["exif_rotated.jpg"]["width"], by_source["exif_rotated.jpg"]["height"]) == (100, 300)
+    assert by_source["huge_8000x6000.jpg"]["orig_width"] == 8000
+    assert by_source["animated.gif"]["orig_format"] == "GIF"
+
+
+def test_golden_skip_and_change_detection(tmp_path):
+    corpus = tmp_path / "corpus"
+    build_corpus(corpus)
+    cfg = RunConfig(dataset=str(corpus), output=str(tmp_path / "out"))
+    first = ingest(cfg)
+    assert not first.already_preprocessed
+    preprocess(first, cfg)
+    again = ingest(cfg)
+    assert again.already_preprocessed and again.dataset_fingerprint == first.dataset_fingerprint
+    assert preprocess(again, cfg)["skipped"] is True
+    assert not ingest(cfg.model_copy(update={"force_preprocess": True})).already_preprocessed
+    (corpus / "added.png").write_bytes((corpus / "one_pixel.png").read_bytes())
+    added = ingest(cfg)
+    assert added.dataset_fingerprint != first.dataset_fingerprint and not added.already_preprocessed
+    os.remove(corpus / "added.png")
+    assert ingest(cfg).dataset_fingerprint == first.dataset_fingerprint
+    p = corpus / "cmyk.jpg"
+    p.write_bytes(p.read_bytes() + b"\0")  # modified content (size changes)
+    assert ingest(cfg).dataset_fingerprint != first.dataset_fingerprint
+
+
+def _hf_parquet(path, n_files: int = 2) -> list[str]:
+    """Hugging Face `datasets`-style Parquet: image struct {bytes, path} plus a list of captions."""
+    photo = Image.effect_mandelbrot((160, 120), (-2, -1.2, 1, 1.2), 32).convert("RGB")
+    expected = []
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    for f in range(n_files):
+        recs = []
+        for i in range(5):
+            b = io.BytesIO()
+            photo.rotate(f * 50 + i * 7).save(b, format="PNG")
+            data = b.getvalue() if (f, i) != (1, 3) else b.getvalue()[:60]  # a truncated PNG
+            recs.append({"image": {"bytes": data, "path": f"img_{f}_{i}.png"},
+                         "captions": [f"caption {f} {i}", "another"]})
+            expected.append(ACCEPTED if (f, i) != (1, 3) else "decode_error")
+        table = pa.Table.from_pylist(recs, schema=pa.schema([("image", struct), ("captions", pa.list_(pa.string()))]))
+        pq.write_table(table, path / f"train-{f:05d}.parquet", row_group_size=2)
+    return expected
+
+
+def test_parquet_dataset_with_struct_images_and_captions(tmp_path):
+    (tmp_path / "ds").mkdir()
+    expected = _hf_parquet(tmp_path / "ds")
+    cfg = RunConfig(dataset=str(tmp_path / "ds"), output=str(tmp_path / "out"))
+    ing = ingest(cfg)
+    assert ing.kind == "parquet" and ing.n_inputs == 10 and ing.image_column == "image"
+    m = preprocess(ing, cfg)
+    outcomes = _outcomes(cfg, m)
+    assert len(outcomes) == 10
+    assert outcomes["train-00001.parquet#3:img_1_3.png"] == "decode_error"
+    assert sorted(outcomes.values()) == sorted(expected)
+    store = Store(cfg.output)
+    rows = store.read_tables([store.path("datasets", m["dataset_fingerprint"], "shards", s) for s in m["shards"]]).to_pylist()
+    assert all(r["references"] and r["references"][1] == "another" for r in rows)
+
+
+def test_bad_sources_say_what_and_where(tmp_path):
+    with pytest.raises(DatasetError, match="does not exist"):
+        ingest(RunConfig(dataset=str(tmp_path / "missing"), output=str(tmp_path / "o")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match="no files"):
+        ingest(RunConfig(dataset=str(tmp_path / "empty"), output=str(tmp_path / "o")))
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"x": [1, 2]}), tmp_path / "pq" / "a.parquet")
+    with pytest.raises(DatasetError, match="no image column"):
+        ingest(RunConfig(dataset=str(tmp_path / "pq"), output=str(tmp_path / "o")))
+
+
+def test_s3_source_and_output(s3_bucket, tmp_path):
+    import boto3
+
+    expected = build_corpus(tmp_path / "corpus")
+    s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+    for rel in expected:
+        s3.upload_file(str(tmp_path / "corpus" / rel), s3_bucket, f"images/{rel}")
+    cfg = RunConfig(dataset=f"s3://{s3_bucket}/images", output=f"s3://{s3_bucket}/out")
+    ing = ingest(cfg)
+    assert ing.n_inputs == len(expected) and all(f["etag"] for f in ing.files)
+    m = preprocess(ing, cfg)
+    assert _outcomes(cfg, m) == expected
+    assert ingest(cfg).already_preprocessed  # golden skip from the S3 listing (ETags), no decoding
+    time.sleep(1.1)
+    s3.put_object(Bucket=s3_bucket, Key="images/photo.jpg", Body=b"changed")
+    assert not ingest(cfg).already_preprocessed
