@@ -16,34 +16,12 @@ import io
 import json
 import os
 import platform
-import random
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-def make_images(folder: Path, n: int, size=(640, 480), seed: int = 0) -> None:
-    """n deterministic synthetic 'photos': gradients, shapes and noise, as JPEGs."""
-    import numpy as np
-    from PIL import Image, ImageDraw
-
-    rng = random.Random(seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    w, h = size
-    yy, xx = np.mgrid[0:h, 0:w]
-    for i in range(n):
-        base = np.stack([(xx * rng.random() + yy * rng.random()) % 256 for _ in range(3)], axis=-1)
-        noise = np.random.default_rng(seed + i).integers(0, 40, size=(h, w, 3))
-        im = Image.fromarray((base + noise).clip(0, 255).astype("uint8"))
-        d = ImageDraw.Draw(im)
-        for _ in range(6):
-            x0, y0 = rng.randrange(w), rng.randrange(h)
-            d.ellipse([x0, y0, x0 + rng.randrange(20, 200), y0 + rng.randrange(20, 200)],
-                      fill=tuple(rng.randrange(256) for _ in range(3)))
-        im.save(folder / f"img_{i:05d}.jpg", quality=90)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
 
 def raw_vllm(cfg, model_path: str, rows: list[dict], preset) -> dict:
@@ -118,6 +96,8 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="cf-bench-"))
     images = Path(args.images) if args.images else work / "images"
     if not args.images:
+        from bench.synthetic import make_images
+
         make_images(images, args.n)
     cfg = RunConfig(dataset=str(images), output=str(work / "out"), device=args.device,
                     max_tokens=args.max_tokens, commit_rows=8)

@@ -102,6 +102,35 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from deployments.deploy import deploy
+
+    overrides = {k: getattr(args, k) for k in RunConfig.model_fields}
+    try:
+        cfg = load_config(args.config, **overrides)
+    except (ValueError, OSError) as e:
+        print(f"captionflow: invalid parameters: {e}", file=sys.stderr)
+        return 2
+    ids = deploy(cfg, work_pool=args.work_pool, cron=args.cron, pool_type=args.pool_type, image=args.image)
+    for name, dep_id in ids.items():
+        print(f"deployment captionflow/{name}: {dep_id}")
+    print(f"start a worker: prefect worker start --pool {args.work_pool}")
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    import time
+
+    from deployments.watcher import watch_once
+
+    while True:
+        for uri in watch_once(args.prefix, args.state):
+            print(f"announced {uri}")
+        if not args.every:
+            return 0
+        time.sleep(args.every)
+
+
 def cmd_build_model(args: argparse.Namespace) -> int:
     from captionflow.builtin_model import build_builtin_model, ensure_builtin_model
 
@@ -133,6 +162,19 @@ def main(argv: list[str] | None = None) -> int:
     cmp_.add_argument("--summary-json", help="also write the per-checkpoint summaries as JSON here")
     _add_config_options(cmp_, skip=("model",))
     cmp_.set_defaults(func=cmd_compare)
+    dep = sub.add_parser("deploy", help="create the Prefect deployments (nightly golden run, checkpoint trigger)")
+    dep.add_argument("--config", help="YAML file of parameters: the deployments' default run config")
+    dep.add_argument("--work-pool", default="captionflow", help="work pool (created if missing)")
+    dep.add_argument("--pool-type", default="process", choices=["process", "kubernetes", "docker"])
+    dep.add_argument("--cron", default="0 2 * * *", help="schedule of the golden-nightly deployment (UTC)")
+    dep.add_argument("--image", help="container image with captionflow installed (kubernetes/docker pools)")
+    _add_config_options(dep)
+    dep.set_defaults(func=cmd_deploy)
+    w = sub.add_parser("watch", help="announce new checkpoints under a storage prefix as Prefect events")
+    w.add_argument("prefix", help="local folder or s3:// prefix holding checkpoint folders")
+    w.add_argument("--state", help="where to remember announced checkpoints (default: PREFIX/.captionflow-announced.json)")
+    w.add_argument("--every", type=float, default=0, help="poll every N seconds (default: once)")
+    w.set_defaults(func=cmd_watch)
     bm = sub.add_parser("build-model", help="build the built-in tiny model (into the cache, or DIR)")
     bm.add_argument("dir", nargs="?")
     bm.add_argument("--seed", type=int, default=0, help="other random weights: a stand-in for another checkpoint")

@@ -1,0 +1,130 @@
+"""Benchmark: ingest + preprocess (streaming Ray Data) vs. a plain single-process PIL loop.
+
+Both do the same work per image: read, decode, check, normalise (RGB, EXIF, bound the long side
+to 448 px), JPEG-encode. Each side runs in its own subprocess so that its peak memory is its own
+(the pipeline's is the sum over the driver and every Ray process, sampled every 0.2 s).
+
+    python bench/preprocess_vs_plain.py --n 2000 20000
+
+Prints a short table; writes JSON (default bench/results/preprocess_vs_plain.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _tree_rss_sampler(stop: threading.Event, peak: list[int]) -> None:
+    import psutil
+
+    me = psutil.Process()
+    while not stop.is_set():
+        total = 0
+        for p in [me] + me.children(recursive=True):
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        peak[0] = max(peak[0], total)
+        time.sleep(0.2)
+
+
+def side_plain(images: str) -> dict:
+    from captionflow.images import Rejected, normalise_image
+
+    files = sorted(Path(images).iterdir())
+    t0 = time.perf_counter()
+    ok = 0
+    for f in files:
+        try:
+            normalise_image(f.read_bytes(), 448)
+            ok += 1
+        except Rejected:
+            pass
+    return {"seconds": time.perf_counter() - t0, "images": len(files), "accepted": ok, "cores": 1}
+
+
+def side_pipeline(images: str, out: str) -> dict:
+    from captionflow.config import RunConfig
+    from tasks.inference import init_ray
+    from tasks.ingest import ingest
+    from tasks.preprocess import preprocess
+
+    cfg = RunConfig(dataset=images, output=out, device="cpu")
+    t0 = time.perf_counter()
+    init_ray(cfg)
+    t_ray = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    m = preprocess(ingest(cfg), cfg)
+    return {"seconds": time.perf_counter() - t1, "ray_init_s": t_ray, "images": m["counts"]["listed"],
+            "accepted": m["counts"]["accepted"], "cores": os.cpu_count()}
+
+
+def run_side(side: str, images: str, out: str) -> dict:
+    code = (f"import json,sys,threading; sys.path.insert(0,{str(ROOT)!r}); import bench.preprocess_vs_plain as b;"
+            f"stop=threading.Event(); peak=[0]; t=threading.Thread(target=b._tree_rss_sampler,args=(stop,peak),daemon=True);"
+            f"t.start(); r=b.side_{side}({images!r}" + (f",{out!r}" if side == "pipeline" else "") + ");"
+            f"stop.set(); t.join(); r['peak_rss_mb']=peak[0]/2**20; print('RESULT'+json.dumps(r))")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT")), None)
+    if line is None:
+        raise RuntimeError(f"{side} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+    return json.loads(line[6:])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, nargs="+", default=[2000, 20000])
+    ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "preprocess_vs_plain.json"))
+    args = ap.parse_args()
+    from bench.synthetic import make_images
+
+    results = {"host": platform.node(), "cpus": os.cpu_count(), "runs": []}
+    for n in args.n:
+        work = Path(tempfile.mkdtemp(prefix=f"cf-pre-{n}-"))
+        t = time.perf_counter()
+        make_images(work / "images", n)
+        gen_s = time.perf_counter() - t
+        plain = run_side("plain", str(work / "images"), "")
+        pipe = run_side("pipeline", str(work / "images"), str(work / "out"))
+        row = {
+            "n": n, "generate_s": round(gen_s, 1),
+            "plain_img_s_per_core": round(plain["images"] / plain["seconds"], 1),
+            "pipeline_img_s_per_core": round(pipe["images"] / pipe["seconds"] / pipe["cores"], 1),
+            "pipeline_img_s_per_core_incl_ray_start": round(
+                pipe["images"] / (pipe["seconds"] + pipe["ray_init_s"]) / pipe["cores"], 1),
+            "plain_peak_rss_mb": round(plain["peak_rss_mb"]), "pipeline_peak_rss_mb": round(pipe["peak_rss_mb"]),
+            "plain": plain, "pipeline": pipe,
+        }
+        row["ratio_per_core"] = round(row["pipeline_img_s_per_core"] / row["plain_img_s_per_core"], 3)
+        results["runs"].append(row)
+    if len(results["runs"]) >= 2:
+        results["rss_ratio_largest_vs_smallest"] = round(
+            results["runs"][-1]["pipeline_peak_rss_mb"] / results["runs"][0]["pipeline_peak_rss_mb"], 3)
+    print(f"{'N':>7} {'plain img/s/core':>17} {'pipeline img/s/core':>20} {'ratio':>6} {'plain RSS MB':>13} {'pipeline RSS MB':>16}")
+    for r in results["runs"]:
+        print(f"{r['n']:>7} {r['plain_img_s_per_core']:>17} {r['pipeline_img_s_per_core']:>20} {r['ratio_per_core']:>6}"
+              f" {r['plain_peak_rss_mb']:>13} {r['pipeline_peak_rss_mb']:>16}")
+    if "rss_ratio_largest_vs_smallest" in results:
+        print("pipeline peak RSS, largest N / smallest N:", results["rss_ratio_largest_vs_smallest"])
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    print("wrote", args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Prefect deployments of captionflow and the checkpoint watcher."""
