@@ -51,23 +51,33 @@ def _summary_text(s: dict) -> str:
     return "\n".join(lines)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+class _UserError(Exception):
+    """Bad input from the user: printed as one line, exit status 2."""
+
+
+def _config(args: argparse.Namespace) -> RunConfig:
+    overrides = {k: getattr(args, k, None) for k in RunConfig.model_fields}
+    try:
+        return load_config(args.config, **overrides)
+    except (ValueError, OSError) as e:
+        raise _UserError(f"invalid parameters: {e}") from None
+
+
+def _flow_call(fn, **kwargs):
+    """Run a flow; bad model or dataset parameters become a _UserError."""
     from captionflow.model_source import ModelError
     from tasks.ingest import DatasetError
 
-    overrides = {k: getattr(args, k) for k in RunConfig.model_fields}
     try:
-        cfg = load_config(args.config, **overrides)
-    except (ValueError, OSError) as e:
-        print(f"captionflow: invalid parameters: {e}", file=sys.stderr)
-        return 2
+        return fn(**kwargs)
+    except (ModelError, DatasetError) as e:
+        raise _UserError(str(e)) from None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
     from flows.caption_flow import caption_flow
 
-    try:
-        summary = caption_flow(config=cfg)
-    except (ModelError, DatasetError) as e:
-        print(f"captionflow: {e}", file=sys.stderr)
-        return 2
+    summary = _flow_call(caption_flow, config=_config(args))
     print(_summary_text(summary))
     if args.summary_json:
         with open(args.summary_json, "w", encoding="utf-8") as fh:
@@ -76,21 +86,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from captionflow.model_source import ModelError
     from flows.compare_flow import compare_checkpoints
-    from tasks.ingest import DatasetError
 
-    overrides = {k: getattr(args, k) for k in RunConfig.model_fields if k != "model"}
-    try:
-        cfg = load_config(args.config, **overrides)
-    except (ValueError, OSError) as e:
-        print(f"captionflow: invalid parameters: {e}", file=sys.stderr)
-        return 2
-    try:
-        result = compare_checkpoints(config=cfg, models=args.models)
-    except (ModelError, DatasetError) as e:
-        print(f"captionflow: {e}", file=sys.stderr)
-        return 2
+    result = _flow_call(compare_checkpoints, config=_config(args), models=args.models)
     keys = ("bleu_4", "rouge_l", "cider", "meteor", "judge_mean")
     print(f"{'model':40}" + "".join(f"{k:>12}" for k in keys))
     for row in result["leaderboard"]:
@@ -105,13 +103,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_deploy(args: argparse.Namespace) -> int:
     from deployments.deploy import deploy
 
-    overrides = {k: getattr(args, k) for k in RunConfig.model_fields}
-    try:
-        cfg = load_config(args.config, **overrides)
-    except (ValueError, OSError) as e:
-        print(f"captionflow: invalid parameters: {e}", file=sys.stderr)
-        return 2
-    ids = deploy(cfg, work_pool=args.work_pool, cron=args.cron, pool_type=args.pool_type, image=args.image)
+    ids = deploy(_config(args), work_pool=args.work_pool, cron=args.cron, pool_type=args.pool_type, image=args.image)
     for name, dep_id in ids.items():
         print(f"deployment captionflow/{name}: {dep_id}")
     print(f"start a worker: prefect worker start --pool {args.work_pool}")
@@ -183,7 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     dd.add_argument("dir", nargs="?")
     dd.set_defaults(func=cmd_demo_data)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except _UserError as e:
+        print(f"captionflow: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

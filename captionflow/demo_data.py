@@ -15,7 +15,6 @@ import io
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 DEMO_NAME = "demo"
@@ -219,21 +218,7 @@ def build_demo_dataset(out_dir: str | os.PathLike) -> Path:
 
 def ensure_demo_dataset(cache_dir: str | os.PathLike | None = None) -> Path:
     """Return the demo folder in the cache, assembling it on first use."""
-    from captionflow.builtin_model import default_cache_dir
+    from captionflow.cache import build_once, default_cache_dir
 
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    final = cache / "datasets" / f"{DEMO_NAME}-v{DEMO_VERSION}"
-    if (final / CAPTIONS_FILE).exists():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=final.parent))
-    try:
-        build_demo_dataset(tmp / "d")
-        try:
-            os.rename(tmp / "d", final)
-        except OSError:
-            if not (final / CAPTIONS_FILE).exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_once(cache / "datasets" / f"{DEMO_NAME}-v{DEMO_VERSION}", CAPTIONS_FILE, build_demo_dataset)

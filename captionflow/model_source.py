@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from captionflow.builtin_model import BUILTIN_NAME, default_cache_dir, ensure_builtin_model
+from captionflow.builtin_model import BUILTIN_NAME, ensure_builtin_model
+from captionflow.cache import build_once, default_cache_dir
 from captionflow.fingerprint import digest, model_fingerprint
 
 
@@ -42,24 +41,14 @@ def _download_s3(uri: str, cache_dir: str | None) -> Path:
         raise ModelError(f"model {uri!r}: the prefix holds no files")
     key = digest(sorted((p[len(root):], i.get("size"), str(i.get("ETag", ""))) for p, i in listing.items()))
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    final = cache / "models" / f"s3-{key}"
-    if (final / "config.json").exists():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=final.parent))
-    try:
+
+    def download(tmp: Path) -> None:
         for path in listing:
             rel = path[len(root):].lstrip("/")
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             fs.get_file(path, str(tmp / rel))
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+
+    return build_once(cache / "models" / f"s3-{key}", "config.json", download)
 
 
 def _download_hub(repo_id: str) -> Path:
