@@ -103,6 +103,11 @@ def main() -> int:
                     max_tokens=args.max_tokens, commit_rows=8)
     preset = PRESETS[args.device]
     model = resolve_model(cfg.model)
+    from tasks.inference import init_ray
+
+    t_ray = time.perf_counter()
+    init_ray(cfg)
+    ray_init_s = round(time.perf_counter() - t_ray, 2)
     manifest = preprocess(ingest(cfg), cfg)
     store = Store(cfg.output)
     table = store.read_tables([store.path("datasets", manifest["dataset_fingerprint"], "shards", s)
@@ -113,6 +118,7 @@ def main() -> int:
                "max_tokens": args.max_tokens, "model": cfg.model}
     results["raw_vllm"] = raw_vllm(cfg, model.path, rows, preset)
     results["stage"] = stage(cfg, manifest, model)
+    results["stage"]["ray_init_s"] = ray_init_s  # Ray was started before preprocess, which uses it too
     a, b = results["raw_vllm"], results["stage"]
     results["ratios"] = {
         "stage_vs_raw_steady": round(b["rows_per_s_steady"] / a["rows_per_s_steady"], 3),

@@ -206,16 +206,23 @@ def build_caption_processor(cfg: RunConfig, model: ResolvedModel, preset: Preset
     )
 
 
-def read_pending(store: Store, shard_paths: list[str], columns: list[str], pending: list[str], preset: Preset):
-    """A Ray dataset of the dataset shards' rows whose image_id is in ``pending``."""
+def read_pending(store: Store, shard_paths: list[str], columns: list[str], pending: list[str], preset: Preset,
+                 rows_per_block: int):
+    """A Ray dataset of the dataset shards' rows whose image_id is in ``pending``.
+
+    Re-blocked to ``rows_per_block`` rows (a streaming split, no shuffle): a shard is one Parquet
+    block of up to ``shard_rows`` rows, and without the split the engine would only see - and
+    the driver only commit - whole shards, so nothing would stream and a kill would lose a shard.
+    """
     import ray
     from pyarrow.fs import FSSpecHandler, PyFileSystem
 
     # pyarrow's own S3 filesystem ignores AWS_ENDPOINT_URL: hand Ray the fsspec one explicitly.
     ds = ray.data.read_parquet(shard_paths, filesystem=PyFileSystem(FSSpecHandler(store.fs)), columns=columns,
                                ray_remote_args={"num_cpus": preset.map_cpus})
-    return ds.map_batches(functools.partial(_keep_pending, pending=pa.array(pending, pa.string())),
-                          batch_format="pyarrow", num_cpus=preset.map_cpus)
+    ds = ds.map_batches(functools.partial(_keep_pending, pending=pa.array(pending, pa.string())),
+                        batch_format="pyarrow", num_cpus=preset.map_cpus)
+    return ds.repartition(target_num_rows_per_block=rows_per_block)
 
 
 def ids_in(store: Store, files: list[str]) -> set[str]:
@@ -254,7 +261,8 @@ def run_inference(cfg: RunConfig, manifest: dict, model: ResolvedModel) -> dict:
             if not pending:
                 break
             t_pass = time.perf_counter()
-            ds = read_pending(store, shard_paths, ["image_id", "image"], pending, preset)
+            ds = read_pending(store, shard_paths, ["image_id", "image"], pending, preset,
+                              cfg.batch_size or preset.batch_size)
             processor = build_caption_processor(cfg, model, preset, attempt,
                                                 fail_ids=inject if attempt == 0 else frozenset())
             out = processor(ds).map(functools.partial(_fixed_schema, model_fp=model.fingerprint, attempt=attempt),

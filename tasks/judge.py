@@ -96,7 +96,8 @@ def run_judge(cfg: RunConfig, manifest: dict, inference: dict, judge: ResolvedMo
             break
         init_ray(cfg)
         preset = choose_preset(cfg)
-        ds = read_pending(store, shard_paths, ["image_id", "image", "references"], pending, preset)
+        ds = read_pending(store, shard_paths, ["image_id", "image", "references"], pending, preset,
+                          cfg.batch_size or preset.batch_size)
         sampling = {"max_tokens": JUDGE_MAX_TOKENS, "temperature": 0.0, "seed": cfg.seed,
                     "structured_outputs": {"regex": JUDGE_REGEX}}
         processor = build_vlm_processor(
