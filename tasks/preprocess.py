@@ -17,6 +17,7 @@ import os
 import time
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from prefect import task
 
 from captionflow.config import RunConfig
@@ -103,26 +104,36 @@ def work_items(ing: IngestResult) -> list[dict]:
 
 
 class _ShardWriter:
-    """Accepted rows -> shards bounded by rows and bytes, each committed atomically."""
+    """Accepted rows (Arrow) -> shards bounded by rows and bytes, each committed atomically."""
 
     def __init__(self, store: Store, base: tuple[str, ...], max_rows: int, max_bytes: int):
         self.store, self.base, self.max_rows, self.max_bytes = store, base, max_rows, max_bytes
-        self.rows: list[dict] = []
+        self.pending: list[pa.Table] = []
+        self.rows = 0
         self.nbytes = 0
         self.shards: list[str] = []
 
-    def add(self, row: dict) -> None:
-        self.rows.append({k: row[k] for k in SHARD_SCHEMA.names})
-        self.nbytes += len(row["image"])
-        if len(self.rows) >= self.max_rows or self.nbytes >= self.max_bytes:
-            self.flush()
+    def add(self, table: pa.Table) -> None:
+        """Append accepted rows; cut a shard whenever a bound is reached."""
+        sizes = pc.binary_length(table["image"]).to_pylist()
+        start = 0
+        for i, size in enumerate(sizes):
+            self.rows += 1
+            self.nbytes += size
+            if self.rows >= self.max_rows or self.nbytes >= self.max_bytes:
+                self.pending.append(table.slice(start, i + 1 - start))
+                start = i + 1
+                self.flush()
+        if start < table.num_rows:
+            self.pending.append(table.slice(start))
 
     def flush(self) -> None:
-        if self.rows:
+        if self.pending:
             name = f"part-{len(self.shards):05d}.parquet"
-            self.store.write_table(pa.Table.from_pylist(self.rows, schema=SHARD_SCHEMA), *self.base, "shards", name)
+            table = pa.concat_tables(self.pending).select(SHARD_SCHEMA.names).cast(SHARD_SCHEMA)
+            self.store.write_table(table, *self.base, "shards", name)
             self.shards.append(name)
-            self.rows, self.nbytes = [], 0
+        self.pending, self.rows, self.nbytes = [], 0, 0
 
 
 def preprocess(ing: IngestResult, cfg: RunConfig) -> dict:
@@ -160,16 +171,25 @@ def preprocess(ing: IngestResult, cfg: RunConfig) -> dict:
     quarantine: list[dict] = []
     seen: dict[str, str] = {}
     n_seen = 0
-    for row in ds.iter_rows():
-        n_seen += 1
-        if row["reason"]:
-            quarantine.append({k: row[k] for k in QUARANTINE_SCHEMA.names})
-        elif row["image_id"] in seen:
-            quarantine.append({"source": row["source"], "reason": "duplicate",
-                               "detail": f"same content as {seen[row['image_id']]}", "size_bytes": row["size_bytes"]})
-        else:
-            seen[row["image_id"]] = row["source"]
-            writer.add(row)
+    # Batches stay Arrow tables: the driver only looks at ids and reasons, never copies pixels row by row.
+    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        n_seen += batch.num_rows
+        rejected = pc.not_equal(batch["reason"], "")
+        if pc.any(rejected).as_py():
+            quarantine += batch.filter(rejected).select(QUARANTINE_SCHEMA.names).to_pylist()
+            batch = batch.filter(pc.invert(rejected))
+        keep = []
+        for image_id, source, size in zip(batch["image_id"].to_pylist(), batch["source"].to_pylist(),
+                                          batch["size_bytes"].to_pylist()):
+            if image_id in seen:
+                quarantine.append({"source": source, "reason": "duplicate",
+                                   "detail": f"same content as {seen[image_id]}", "size_bytes": size})
+                keep.append(False)
+            else:
+                seen[image_id] = source
+                keep.append(True)
+        if any(keep):
+            writer.add(batch.filter(pa.array(keep)) if not all(keep) else batch)
     writer.flush()
     store.write_table(pa.Table.from_pylist(quarantine, schema=QUARANTINE_SCHEMA), *base, "quarantine.parquet")
     reasons: dict[str, int] = {}
