@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -68,12 +69,20 @@ def test_run_on_existing_two_node_cluster(prefect_api, two_node_cluster, tmp_pat
     probe = (
         "import json, ray; from ray.util.state import list_tasks, list_actors;"
         f"ray.init(address='{address}');"
-        "t = list_tasks(limit=10000, detail=True); a = list_actors(limit=1000, detail=True);"
+        "kw = dict(detail=True, timeout=60, raise_on_missing_output=False);"
+        "t = list_tasks(limit=10000, **kw); a = list_actors(limit=1000, **kw);"
         "print('NODES' + json.dumps({'nodes': [n['NodeID'] for n in ray.nodes() if n['Alive']],"
         " 'task_nodes': sorted({x.node_id for x in t if x.node_id}), 'actor_nodes': sorted({x.node_id for x in a if x.node_id})}))"
     )
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
-    line = next(x for x in out.stdout.splitlines() if x.startswith("NODES"))
+    line, errors = None, []
+    for _ in range(3):  # the state API answers from the dashboard, which can lag behind a busy cluster
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+        line = next((x for x in out.stdout.splitlines() if x.startswith("NODES")), None)
+        if line:
+            break
+        errors.append(out.stderr[-2000:])
+        time.sleep(5)
+    assert line, "state API probe failed:\n" + "\n".join(errors)
     info = json.loads(line[5:])
     assert len(info["nodes"]) == 2
     used = set(info["task_nodes"]) | set(info["actor_nodes"])
