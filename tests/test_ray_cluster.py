@@ -68,8 +68,9 @@ def test_run_on_existing_two_node_cluster(prefect_api, two_node_cluster, tmp_pat
     # which nodes ran the job's tasks and actors (Ray's state API, from a fresh driver)
     probe = (
         "import json, ray; from ray.util.state import list_tasks, list_actors;"
-        f"ray.init(address='{address}');"
-        "kw = dict(detail=True, timeout=60, raise_on_missing_output=False);"
+        f"ctx = ray.init(address='{address}');"
+        # the state API must ask *this* cluster's dashboard, not the machine's latest-cluster file
+        "kw = dict(address='http://' + ctx.dashboard_url, detail=True, timeout=60, raise_on_missing_output=False);"
         "t = list_tasks(limit=10000, **kw); a = list_actors(limit=1000, **kw);"
         "print('NODES' + json.dumps({'nodes': [n['NodeID'] for n in ray.nodes() if n['Alive']],"
         " 'task_nodes': sorted({x.node_id for x in t if x.node_id}), 'actor_nodes': sorted({x.node_id for x in a if x.node_id})}))"
