@@ -110,8 +110,9 @@ def main() -> int:
     ray_init_s = round(time.perf_counter() - t_ray, 2)
     manifest = preprocess(ingest(cfg), cfg)
     store = Store(cfg.output)
-    table = store.read_tables([store.path("datasets", manifest["dataset_fingerprint"], "shards", s)
-                               for s in manifest["shards"]], columns=["image_id", "image"])
+    from tasks.preprocess import shard_paths
+
+    table = store.read_tables(shard_paths(store, manifest), columns=["image_id", "image"])
     rows = table.to_pylist()
 
     results = {"device": args.device, "host": platform.node(), "cpus": os.cpu_count(), "n": len(rows),

@@ -11,6 +11,7 @@ from captionflow.retry import retry_transient
 
 from captionflow.metrics import length_stats, reference_metrics
 from captionflow.storage import Store
+from tasks.preprocess import shard_paths
 
 LEADERBOARD = "leaderboard.parquet"
 
@@ -22,8 +23,7 @@ def evaluate(output: str, manifest: dict, inference: dict, model_source: str, ju
     store = Store(output)
     run = tuple(inference["run_parts"])
     ds_fp = manifest["dataset_fingerprint"]
-    shards = [store.path("datasets", ds_fp, "shards", s) for s in manifest["shards"]]
-    data = store.read_tables(shards, columns=["image_id", "source", "references"])
+    data = store.read_tables(shard_paths(store, manifest), columns=["image_id", "source", "references"])
     refs = {i: r for i, r in zip(data["image_id"].to_pylist(), data["references"].to_pylist())} if data else {}
     sources = dict(zip(data["image_id"].to_pylist(), data["source"].to_pylist())) if data else {}
     caps_t = store.read_tables(store.ls(*run, "captions", suffix=".parquet"))
@@ -36,7 +36,8 @@ def evaluate(output: str, manifest: dict, inference: dict, model_source: str, ju
     if judge:
         metrics["judge"] = {k: judge[k] for k in ("judge_model", "judged", "failed", "parse_rate", "mean_score",
                                                   "distribution")}
-        judged = _judge_scores(store, judge)
+        jt = store.read_tables(store.ls(*judge["judge_parts"], "scores", suffix=".parquet"))
+        judged = {r["image_id"]: r for r in jt.to_pylist()} if jt is not None else {}
     scores = pa.Table.from_pylist([
         {"image_id": r["image_id"], "source": sources.get(r["image_id"], ""), "caption": r["caption"],
          "references": refs.get(r["image_id"], []), "finish_reason": r["finish_reason"],
@@ -53,14 +54,6 @@ def evaluate(output: str, manifest: dict, inference: dict, model_source: str, ju
     store.write_text(report, *run, "report.md")
     _publish(report)
     return {"metrics": metrics, "report": store.url(*run, "report.md"), "seconds": round(time.perf_counter() - t0, 2)}
-
-
-def _judge_scores(store: Store, judge: dict) -> dict[str, dict]:
-    fs_path = judge["judge_dir"] if store.is_local else judge["judge_dir"].split("://", 1)[1]
-    files = sorted(p for p in (store.fs.ls(f"{fs_path}/scores", detail=False) if store.fs.exists(f"{fs_path}/scores") else [])
-                   if p.endswith(".parquet"))
-    t = store.read_tables(files)
-    return {r["image_id"]: r for r in t.to_pylist()} if t is not None else {}
 
 
 COMPARED = ("bleu_4", "rouge_l", "cider", "meteor", "judge_mean")

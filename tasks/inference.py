@@ -39,6 +39,7 @@ from captionflow.images import data_url
 from captionflow.model_source import ResolvedModel
 from captionflow.presets import PRESETS, Preset, local_ray_cpus
 from captionflow.storage import Store
+from tasks.preprocess import shard_paths
 
 CAPTION_SCHEMA = pa.schema([
     ("image_id", pa.string()),
@@ -238,8 +239,8 @@ def run_inference(cfg: RunConfig, manifest: dict, model: ResolvedModel) -> dict:
     store = Store(cfg.output)
     ds_fp = manifest["dataset_fingerprint"]
     run = run_paths(cfg, ds_fp, model.fingerprint)
-    shard_paths = [store.path("datasets", ds_fp, "shards", s) for s in manifest["shards"]]
-    all_ids = ids_in(store, shard_paths)
+    shards = shard_paths(store, manifest)
+    all_ids = ids_in(store, shards)
     store.write_json({"model": model.source, "model_path": model.path, "model_fingerprint": model.fingerprint,
                       "architecture": model.architecture, "dataset_fingerprint": ds_fp,
                       "generation": cfg.generation_params()}, *run, "run.json")
@@ -261,7 +262,7 @@ def run_inference(cfg: RunConfig, manifest: dict, model: ResolvedModel) -> dict:
             if not pending:
                 break
             t_pass = time.perf_counter()
-            ds = read_pending(store, shard_paths, ["image_id", "image"], pending, preset,
+            ds = read_pending(store, shards, ["image_id", "image"], pending, preset,
                               cfg.batch_size or preset.batch_size)
             processor = build_caption_processor(cfg, model, preset, attempt,
                                                 fail_ids=inject if attempt == 0 else frozenset())

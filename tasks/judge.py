@@ -21,6 +21,7 @@ from captionflow.fingerprint import digest
 from captionflow.model_source import ResolvedModel
 from captionflow.retry import retry_transient
 from captionflow.storage import Store
+from tasks.preprocess import shard_paths
 from tasks.inference import (build_vlm_processor, choose_preset, ids_in, image_messages, init_ray, read_pending,
                              stream_and_commit)
 
@@ -88,7 +89,7 @@ def run_judge(cfg: RunConfig, manifest: dict, inference: dict, judge: ResolvedMo
     caps = store.read_tables(store.ls(*run, "captions", suffix=".parquet"), columns=["image_id", "caption"])
     captions = dict(zip(caps["image_id"].to_pylist(), caps["caption"].to_pylist())) if caps is not None else {}
     done = ids_in(store, store.ls(*base, "scores", suffix=".parquet"))
-    shard_paths = [store.path("datasets", manifest["dataset_fingerprint"], "shards", s) for s in manifest["shards"]]
+    shards = shard_paths(store, manifest)
     passes = []
     for attempt in range(cfg.row_retries + 1):
         pending = sorted(set(captions) - done)
@@ -96,7 +97,7 @@ def run_judge(cfg: RunConfig, manifest: dict, inference: dict, judge: ResolvedMo
             break
         init_ray(cfg)
         preset = choose_preset(cfg)
-        ds = read_pending(store, shard_paths, ["image_id", "image", "references"], pending, preset,
+        ds = read_pending(store, shards, ["image_id", "image", "references"], pending, preset,
                           cfg.batch_size or preset.batch_size)
         sampling = {"max_tokens": JUDGE_MAX_TOKENS, "temperature": 0.0, "seed": cfg.seed,
                     "structured_outputs": {"regex": JUDGE_REGEX}}
@@ -116,7 +117,7 @@ def run_judge(cfg: RunConfig, manifest: dict, inference: dict, judge: ResolvedMo
     n_unparsed = sum(1 for r in failures.to_pylist() if r["error"].startswith("unparseable")) if failures else 0
     values = [r["score"] for r in rows]
     return {
-        "judge_model": judge.source, "judge_dir": store.url(*base), "judged": len(rows),
+        "judge_model": judge.source, "judge_dir": store.url(*base), "judge_parts": list(base), "judged": len(rows),
         "failed": len(captions) - len(rows),
         "parse_rate": len(rows) / (len(rows) + n_unparsed) if rows or n_unparsed else 0.0,
         "mean_score": sum(values) / len(values) if values else None,

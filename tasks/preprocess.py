@@ -43,6 +43,11 @@ QUARANTINE_SCHEMA = pa.schema([
 FILES_PER_TASK = 32
 
 
+def shard_paths(store: Store, manifest: dict) -> list[str]:
+    """Full paths of a dataset's committed shards, in order."""
+    return [store.path("datasets", manifest["dataset_fingerprint"], "shards", s) for s in manifest["shards"]]
+
+
 def _result(source: str, data: bytes, refs: list[str], max_side: int, max_pixels: int) -> dict:
     row = {"source": source, "image_id": "", "image": b"", "width": 0, "height": 0, "orig_format": "",
            "orig_width": 0, "orig_height": 0, "references": refs, "reason": "", "detail": "",
