@@ -126,6 +126,14 @@ def cmd_watch(args: argparse.Namespace) -> int:
 def cmd_build_model(args: argparse.Namespace) -> int:
     from captionflow.builtin_model import build_builtin_model, ensure_builtin_model
 
+    if args.arch:
+        from captionflow.standin_model import build_standin
+
+        if not args.dir:
+            print("captionflow: --arch needs DIR", file=sys.stderr)
+            return 2
+        print(build_standin(args.arch, args.dir))
+        return 0
     if args.seed and not args.dir:
         print("captionflow: --seed needs DIR (the cache holds the seed-0 built-in model)", file=sys.stderr)
         return 2
@@ -167,9 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--state", help="where to remember announced checkpoints (default: PREFIX/.captionflow-announced.json)")
     w.add_argument("--every", type=float, default=0, help="poll every N seconds (default: once)")
     w.set_defaults(func=cmd_watch)
-    bm = sub.add_parser("build-model", help="build the built-in tiny model (into the cache, or DIR)")
+    bm = sub.add_parser("build-model", help="build the built-in tiny model (into the cache, or DIR), or a "
+                                             "full-size architecture stand-in without weights (--arch)")
     bm.add_argument("dir", nargs="?")
     bm.add_argument("--seed", type=int, default=0, help="other random weights: a stand-in for another checkpoint")
+    bm.add_argument("--arch", choices=["qwen2.5-vl-3b", "qwen2-vl-2b"],
+                    help="write a full-size config/tokenizer/processor of this architecture, no weights "
+                         "(run it with --engine-kwargs '{\"load_format\": \"dummy\"}')")
     bm.set_defaults(func=cmd_build_model)
     dd = sub.add_parser("demo-data", help="assemble the demo dataset (into the cache, or DIR)")
     dd.add_argument("dir", nargs="?")

@@ -35,6 +35,9 @@ class RunConfig(BaseModel):
     temperature: float = Field(0.0, ge=0.0, title="Sampling temperature (0 = greedy)")
     top_p: float = Field(1.0, gt=0.0, le=1.0, title="Top-p")
     seed: int = Field(0, title="Sampling seed")
+    ignore_eos: bool = Field(
+        False, title="Ignore end-of-sequence",
+        description="Always generate max_tokens (benchmarks: a fixed amount of work per image).")
     max_image_side: int = Field(
         448, ge=28, title="Longest image side (px)",
         description="Preprocess bounds every image's longest side to this (the vision-token budget).")
@@ -50,7 +53,17 @@ class RunConfig(BaseModel):
         None, title="Max pixels seen by the model",
         description="Passed to the model's image processor (mm_processor_kwargs). Default: the preset's.")
     batch_size: Optional[int] = Field(None, ge=1, title="Rows per Ray Data batch")
-    concurrency: Optional[int] = Field(None, ge=1, title="Engine replicas")
+    concurrency: Optional[int] = Field(
+        None, ge=1, title="Engine replicas",
+        description="Default: on GPU, every GPU of the Ray cluster (divided by tensor_parallel_size) times "
+                    "engines_per_gpu; on CPU, 1.")
+    engines_per_gpu: Optional[int] = Field(
+        None, ge=1, le=16, title="Engine replicas per GPU",
+        description="Default: as many as fit in 90% of the GPU's memory (weights + fixed KV cache + overhead), "
+                    "at most the GPU preset's 4. More engines spread image processing over more processes.")
+    gpu_memory_gib: Optional[float] = Field(
+        None, gt=0, title="GPU memory (GiB) for sizing engines_per_gpu",
+        description="Default: read from this machine's GPU, else 80.")
     max_concurrent_batches: Optional[int] = Field(None, ge=1, title="Batches in flight per engine replica")
     max_num_seqs: Optional[int] = Field(None, ge=1, title="vLLM max_num_seqs")
     max_model_len: Optional[int] = Field(None, ge=64, title="vLLM max_model_len")
@@ -78,11 +91,16 @@ class RunConfig(BaseModel):
         64, ge=1, title="Rows per committed caption shard",
         description="Inference commits captions in shards of at most this many rows: a killed run loses at most these.")
 
+    def dummy_weights(self) -> bool:
+        """vLLM draws random weights (``engine_kwargs.load_format == "dummy"``): no weight files needed."""
+        return self.engine_kwargs.get("load_format") == "dummy"
+
     def generation_params(self) -> dict[str, Any]:
         """What decides the generated text besides dataset and model (the generation fingerprint)."""
         return {
             "system_prompt": self.system_prompt, "prompt": self.prompt, "max_tokens": self.max_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
+            **({"ignore_eos": True} if self.ignore_eos else {}),
         }
 
 

@@ -62,11 +62,13 @@ def _download_hub(repo_id: str) -> Path:
             f"({type(e).__name__}: {str(e)[:300]}). Offline machines need a local path or s3:// prefix.") from None
 
 
-def resolve_model(model: str, cache_dir: str | None = None) -> ResolvedModel:
+def resolve_model(model: str, cache_dir: str | None = None, dummy_weights: bool = False) -> ResolvedModel:
     """'builtin', a local folder, an s3:// prefix or a hub id -> a validated local folder and fingerprint.
 
     Raises ModelError naming the problem and the path: missing folder, no config.json, a config
     that is not JSON, no weights, or a model without a vision tower (captionflow needs a VLM).
+    ``dummy_weights`` (vLLM ``load_format="dummy"``): a folder without weights is accepted, e.g. a
+    full-size architecture stand-in from ``captionflow build-model --arch``.
     """
     if model == BUILTIN_NAME:
         path = ensure_builtin_model(cache_dir)
@@ -95,7 +97,7 @@ def resolve_model(model: str, cache_dir: str | None = None) -> ResolvedModel:
             f"model {str(path)!r} ({', '.join(archs) or cfg.get('model_type', '?')}) has no vision_config: "
             "captionflow needs a vision-language model")
     weights = [p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt")]
-    if not weights:
+    if not weights and not dummy_weights:
         raise ModelError(f"model {str(path)!r} has no weight files (*.safetensors / *.bin)")
     return ResolvedModel(
         source=model, path=str(path), fingerprint=model_fingerprint(path),

@@ -10,6 +10,14 @@ So every stage here declares its CPU share explicitly, and a local Ray is starte
 placed at once, and the operating system shares the physical cores between them. This is safe
 because the shares are bookkeeping: the busy process is the vLLM engine, which sizes its own
 threads to the physical cores. ``ray_num_cpus`` overrides the number.
+
+Engines per GPU (GPU preset). One vLLM engine does its multimodal input processing (the image
+processor: resize, normalise, patchify) in one Python process, and for a small VLM that process,
+not the GPU, is the bottleneck (shared/GPU-HOST.md: raw vLLM kept an H100 ~26% busy). So the GPU
+preset runs several engine replicas on each GPU (each a Ray actor holding ``1/k`` of the GPU, its
+own fixed KV cache), which spreads input processing over k processes and keeps the GPU fed. k is
+chosen from the model's weight size: as many engines as fit in 90% of the GPU's memory, at most
+``max_engines_per_gpu``; ``engines_per_gpu`` overrides it.
 """
 
 from __future__ import annotations
@@ -35,6 +43,10 @@ class Preset:
     engine_gpus: int
     tokenize_in_ray: bool  # separate tokenize/detokenize stages (else vLLM does it in-engine)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    cpu_stage_concurrency: int = 1  # most actors of each Ray Data LLM CPU stage (autoscaling from 1)
+    max_engines_per_gpu: int = 1
+    kv_cache_bytes: int = 0  # fixed KV cache of each engine when several share a GPU
+    engine_overhead_bytes: int = 0  # activations, CUDA graphs, vision encoder workspace per engine
 
 
 CPU = Preset(
@@ -49,7 +61,11 @@ GPU = Preset(
     name="gpu", batch_size=64, concurrency=1, max_concurrent_batches=8, max_num_seqs=256, max_model_len=4096,
     max_pixels=448 * 448, cpu_stage_cpus=1.0, map_cpus=0.5, engine_cpus=1.0, engine_gpus=1,
     tokenize_in_ray=True,
-    engine_kwargs={"enable_prefix_caching": True, "enable_chunked_prefill": True, "gpu_memory_utilization": 0.9},
+    # prefix caching: every request starts with the same system prompt; chunked prefill: long image
+    # prompts do not stall running decodes; no processor cache: every image is new (it only costs hashing).
+    engine_kwargs={"enable_prefix_caching": True, "enable_chunked_prefill": True, "gpu_memory_utilization": 0.9,
+                   "mm_processor_cache_gb": 0},
+    cpu_stage_concurrency=4, max_engines_per_gpu=4, kv_cache_bytes=4 * 2**30, engine_overhead_bytes=4 * 2**30,
 )
 PRESETS = {"cpu": CPU, "gpu": GPU}
 
@@ -58,9 +74,51 @@ N_MAP_TASKS = 5
 
 
 def pipeline_cpus(preset: Preset, concurrency: int) -> float:
-    """Sum of the logical CPUs every stage of the inference pipeline declares."""
+    """Sum of the logical CPUs every stage of the inference pipeline declares (CPU stages at full size)."""
     n_cpu_stages = 2 + (2 if preset.tokenize_in_ray else 0)  # multimodal prep + chat template (+ tok/detok)
-    return n_cpu_stages * preset.cpu_stage_cpus + N_MAP_TASKS * preset.map_cpus + concurrency * preset.engine_cpus
+    return (n_cpu_stages * preset.cpu_stage_concurrency * preset.cpu_stage_cpus + N_MAP_TASKS * preset.map_cpus
+            + concurrency * preset.engine_cpus)
+
+
+def model_weight_bytes(model_path: str) -> int | None:
+    """Bytes of the checkpoint's weights: its weight files, else a stand-in's parameter count in bf16."""
+    import json
+    from pathlib import Path
+
+    root = Path(model_path)
+    files = [p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt")] if root.is_dir() else []
+    if files:
+        return sum(p.stat().st_size for p in files)
+    meta = root / "captionflow_model.json"
+    if meta.is_file():
+        params = json.loads(meta.read_text()).get("parameters")
+        return int(params) * 2 if params else None
+    return None
+
+
+def engines_per_gpu(preset: Preset, weight_bytes: int | None, gpu_memory_bytes: int | None,
+                    tensor_parallel_size: int = 1, override: int | None = None) -> int:
+    """How many engine replicas share one GPU (see the module docstring)."""
+    if override:
+        return override
+    if preset.engine_gpus == 0 or preset.max_engines_per_gpu <= 1 or tensor_parallel_size > 1:
+        return 1
+    if not weight_bytes or not gpu_memory_bytes:
+        return 1
+    per_engine = weight_bytes + preset.kv_cache_bytes + preset.engine_overhead_bytes
+    return max(1, min(preset.max_engines_per_gpu, int(0.9 * gpu_memory_bytes // per_engine)))
+
+
+def local_gpu_memory_bytes() -> int | None:
+    """Memory of this machine's first GPU (None without one)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory)
+    except Exception:
+        pass
+    return None
 
 
 def local_ray_cpus(preset: Preset, concurrency: int, override: int | None = None) -> int:

@@ -66,11 +66,11 @@ def caption_flow(config: RunConfig = RunConfig()) -> dict:
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     cached: list[str] = []
-    model = resolve_model(config.model)  # fails fast, before Ray or any decoding starts
+    model = resolve_model(config.model, dummy_weights=config.dummy_weights())  # fails fast, before Ray or any decoding starts
     logger.info("model %s -> %s (fingerprint %s)", config.model, model.path, model.fingerprint)
     judge = None
     if config.judge:
-        judge = model if config.judge_model in (None, config.model) else resolve_model(config.judge_model)
+        judge = model if config.judge_model in (None, config.model) else resolve_model(config.judge_model, dummy_weights=config.dummy_weights())
     if config.coco_java:
         import shutil
 

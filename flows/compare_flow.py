@@ -20,7 +20,7 @@ from tasks.evaluate import LEADERBOARD
 @flow(name="captionflow-compare")
 def compare_checkpoints(config: RunConfig = RunConfig(), models: list[str] = ["builtin"]) -> dict:
     """Run the caption flow for each checkpoint (training order) and return their leaderboard rows."""
-    resolved = [resolve_model(m) for m in models]  # every checkpoint checked before any run starts
+    resolved = [resolve_model(m, dummy_weights=config.dummy_weights()) for m in models]  # every checkpoint checked before any run starts
     runs = [caption_flow(config=config.model_copy(update={"model": m})) for m in models]
     store = Store(config.output)
     board = store.read_table(store.path(LEADERBOARD)).to_pylist()

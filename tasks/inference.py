@@ -37,7 +37,8 @@ from captionflow.config import RunConfig
 from captionflow.fingerprint import digest
 from captionflow.images import data_url
 from captionflow.model_source import ResolvedModel
-from captionflow.presets import PRESETS, Preset, local_ray_cpus
+from captionflow.presets import (PRESETS, Preset, engines_per_gpu, local_gpu_memory_bytes, local_ray_cpus,
+                                 model_weight_bytes)
 from captionflow.storage import Store
 from tasks.preprocess import shard_paths
 
@@ -96,7 +97,8 @@ def init_ray(cfg: RunConfig) -> None:
             hint = PRESETS["gpu" if torch.cuda.is_available() else "cpu"]
         else:
             hint = PRESETS[cfg.device]
-        ray.init(num_cpus=local_ray_cpus(hint, cfg.concurrency or hint.concurrency, cfg.ray_num_cpus),
+        engines = cfg.concurrency or hint.concurrency * (cfg.engines_per_gpu or hint.max_engines_per_gpu)
+        ray.init(num_cpus=local_ray_cpus(hint, engines, cfg.ray_num_cpus),
                  include_dashboard=False, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=False)
 
 
@@ -151,6 +153,25 @@ def _keep_pending(batch: pa.Table, *, pending: pa.Array) -> pa.Table:
     return batch.filter(pc.is_in(batch["image_id"], value_set=pending))
 
 
+def engine_layout(cfg: RunConfig, model: ResolvedModel, preset: Preset) -> dict[str, Any]:
+    """Engine replicas, their share of a GPU and the engine kwargs that follow (see presets.py)."""
+    import ray
+
+    if preset.engine_gpus == 0:
+        return {"concurrency": cfg.concurrency or preset.concurrency, "engines_per_gpu": 1, "gpu_share": 0.0,
+                "engine_kwargs": {}}
+    gpu_mem = int(cfg.gpu_memory_gib * 2**30) if cfg.gpu_memory_gib else (local_gpu_memory_bytes() or 80 * 2**30)
+    k = engines_per_gpu(preset, model_weight_bytes(model.path), gpu_mem, cfg.tensor_parallel_size, cfg.engines_per_gpu)
+    gpus = int(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0
+    concurrency = cfg.concurrency or max(1, gpus // cfg.tensor_parallel_size) * k
+    kwargs: dict[str, Any] = {}
+    if k > 1:
+        # Each engine checks at start that its share of the GPU is free, and gets a fixed KV cache
+        # instead of profiling "the rest of the GPU" (which the other engines are filling meanwhile).
+        kwargs = {"gpu_memory_utilization": round(0.9 / k, 3), "kv_cache_memory_bytes": preset.kv_cache_bytes}
+    return {"concurrency": concurrency, "engines_per_gpu": k, "gpu_share": 1.0 / k, "engine_kwargs": kwargs}
+
+
 def build_vlm_processor(cfg: RunConfig, model: ResolvedModel, preset: Preset, preprocess, postprocess):
     """A Ray Data LLM processor for one VLM, sized by ``preset``; the row functions decide the task.
 
@@ -160,24 +181,34 @@ def build_vlm_processor(cfg: RunConfig, model: ResolvedModel, preset: Preset, pr
     """
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
+    layout = engine_layout(cfg, model, preset)
     engine_kwargs: dict[str, Any] = {
         "max_num_seqs": cfg.max_num_seqs or preset.max_num_seqs,
         "max_model_len": cfg.max_model_len or preset.max_model_len,
         "limit_mm_per_prompt": {"image": 1, "video": 0},
+        # the engine's default image budget: also what its start-up memory profile assumes per image
+        "mm_processor_kwargs": {"max_pixels": cfg.max_pixels or preset.max_pixels},
         "tensor_parallel_size": cfg.tensor_parallel_size,
         **preset.engine_kwargs,
+        **layout["engine_kwargs"],
         **cfg.engine_kwargs,
     }
-    cpu_stage = {"enabled": True, "num_cpus": preset.cpu_stage_cpus}
+    cpu_stage = {"enabled": True, "num_cpus": preset.cpu_stage_cpus, "concurrency": preset.cpu_stage_concurrency}
     extra: dict[str, Any] = {}
+    concurrency: int | tuple[int, int] = layout["concurrency"]
     if preset.engine_gpus == 0:
         # Without this, the engine actor asks Ray for one GPU per replica and never starts on CPU.
         extra["placement_group_config"] = {"bundles": [{"CPU": preset.engine_cpus}] * cfg.tensor_parallel_size}
+    else:
+        if layout["engines_per_gpu"] > 1:
+            extra["placement_group_config"] = {"bundles": [{"CPU": preset.engine_cpus, "GPU": layout["gpu_share"]}]}
+        # Start every replica at once: an engine takes a minute to start, too slow to autoscale into.
+        concurrency = (concurrency, concurrency)
     config = vLLMEngineProcessorConfig(
         model_source=model.path,
         engine_kwargs=engine_kwargs,
         batch_size=cfg.batch_size or preset.batch_size,
-        concurrency=cfg.concurrency or preset.concurrency,
+        concurrency=concurrency,
         max_concurrent_batches=cfg.max_concurrent_batches or preset.max_concurrent_batches,
         accelerator_type=cfg.accelerator_type,
         should_continue_on_error=True,
@@ -196,7 +227,8 @@ def build_vlm_processor(cfg: RunConfig, model: ResolvedModel, preset: Preset, pr
 
 def build_caption_processor(cfg: RunConfig, model: ResolvedModel, preset: Preset, attempt: int,
                             fail_ids: frozenset = frozenset()):
-    sampling = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
+    sampling = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
+                "ignore_eos": cfg.ignore_eos}
     mm_kwargs = {"max_pixels": cfg.max_pixels or preset.max_pixels}
     return build_vlm_processor(
         cfg, model, preset,

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU benchmark on the offline GPU host (shared/GPU-HOST.md), from the wheelhouse parts of
+# infra/wheelhouse/build_wheelhouse.sh already copied to PARTS_DIR; installs once into /tmp/cf-site.
+#   bench/gpu_host_run.sh PARTS_DIR [bench/gpu_throughput.py options]
+# Results: /tmp/cf-bench/gpu_throughput.json (and $OUT/, with the phases' logs, when OUT is set).
+set -uo pipefail
+PARTS=${1:?parts folder}
+shift
+SITE=/tmp/cf-site
+if [ ! -f "$SITE/.installed" ]; then
+  t0=$(date +%s)
+  bash infra/wheelhouse/install_wheelhouse.sh "$PARTS" "$SITE" || exit 1
+  touch "$SITE/.installed"
+  echo "wheelhouse installed in $(( $(date +%s) - t0 )) s"
+fi
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
+  TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 DO_NOT_TRACK=1 PREFECT_HOME=/tmp/cf-prefect
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 bench/gpu_throughput.py --work /tmp/cf-bench --json /tmp/cf-bench/gpu_throughput.json "$@"
+rc=$?
+if [ -n "${OUT:-}" ]; then
+  cp /tmp/cf-bench/gpu_throughput.json "$OUT/" 2>/dev/null
+  for f in /tmp/cf-bench/phase-*.log; do [ -f "$f" ] && tail -c 4000000 "$f" > "$OUT/$(basename "$f")"; done
+fi
+exit $rc

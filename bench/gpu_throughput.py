@@ -1,0 +1,433 @@
+"""GPU benchmark: raw single-process vLLM vs. captionflow's inference stage vs. the whole flow.
+
+One invocation on one GPU host, the same N images and the same work per image for all three:
+
+  A. raw vLLM offline: one ``vllm.LLM`` in one process; every image decoded with PIL in that
+     process, then one ``LLM.generate`` over all of them (what a plain script does);
+  B. captionflow's inference stage (Ray Data LLM, GPU preset) over the preprocessed dataset;
+  C. the whole flow, ``captionflow run`` (ingest, preprocess, inference, evaluate), in a new process.
+
+Model: a full-size architecture stand-in (``captionflow build-model --arch``, default
+Qwen2.5-VL-3B) with vLLM's random weights (``load_format="dummy"``), or ``--model DIR`` with real
+weights. Every request: the same chat messages, greedy, ``ignore_eos`` and ``--max-tokens`` (64),
+so every image costs the same; the same ``max_pixels``; preprocessing keeps 640x480 images at
+their size (``max_image_side`` 640), so all three send the same pixels to the image processor.
+
+Each phase runs in its own process (the GPU is free between them) while this process samples GPU
+utilisation and memory through NVML. Throughput is reported two ways:
+  - steady (``images_per_s``): all images / (engine ready -> last result), so start-up is left
+    out and the pipeline's fill is kept. A: from ``LLM()`` returning (then every image is decoded
+    in-process and ``generate()`` runs). B, C: from the first engine's "init engine ... took" log
+    line in the Ray workers' logs (whole seconds, so up to 1 s early: against B and C);
+  - wall (``images_per_s_wall``): images / (phase start -> last result; C: -> process exit),
+    start-up included (vLLM import, engine load and compile, Ray, Prefect), which N=2,000 does
+    not amortise.
+``ratios`` (the headline) are steady ratios; ``ratios_wall`` include start-up.
+
+    python bench/gpu_throughput.py                 # N=2000, all three phases
+    python bench/gpu_throughput.py --n 500 --phases raw,stage
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout
+
+SYSTEM_PROMPT = "You are a helpful assistant that writes short, factual image captions."
+PROMPT = "Describe this image in one sentence."
+
+
+# ---------------------------------------------------------------- GPU sampling (this process)
+class GpuSampler:
+    """Samples utilisation (%) and memory used (bytes) of every GPU every ``period`` seconds."""
+
+    def __init__(self, period: float = 0.25):
+        self.period, self.samples, self._stop = period, [], threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            self.names = [pynvml.nvmlDeviceGetName(h) for h in self._handles]
+        except Exception as e:  # no NVML: no utilisation figures, the benchmark still runs
+            self._nvml, self._handles, self.names = None, [], [f"no NVML: {e}"]
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t = time.time()
+            util = [self._nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self._handles]
+            mem = [self._nvml.nvmlDeviceGetMemoryInfo(h).used for h in self._handles]
+            self.samples.append((t, sum(util) / max(len(util), 1), sum(mem)))
+            self._stop.wait(self.period)
+
+    def __enter__(self):
+        if self._nvml:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._nvml:
+            self._thread.join()
+
+    def window(self, t0: float, t1: float) -> dict:
+        s = [x for x in self.samples if t0 <= x[0] <= t1]
+        if not s:
+            return {"gpu_busy_pct": None, "gpu_mem_peak_gib": None, "samples": 0}
+        return {"gpu_busy_pct": round(sum(x[1] for x in s) / len(s), 1),
+                "gpu_mem_peak_gib": round(max(x[2] for x in s) / 2**30, 2), "samples": len(s)}
+
+
+def rates(n: int, t_start: float, t_first: float, t_last: float, t_steady: float, n_steady: int,
+          out_tokens: int) -> dict:
+    """Rates of one phase: ``n_steady`` images finished in (t_steady, t_last]; wall from t_start."""
+    steady_s = t_last - t_steady
+    return {
+        "images": n, "start_to_first_result_s": round(t_first - t_start, 2), "wall_s": round(t_last - t_start, 2),
+        "images_per_s": round(n_steady / steady_s, 2) if steady_s > 0 else None,
+        "images_per_s_wall": round(n / (t_last - t_start), 2),
+        "output_tokens_per_s": round(out_tokens * n_steady / n / steady_s, 1) if steady_s > 0 else None,
+        "steady_window_s": round(steady_s, 2), "t_start": t_start, "t_first": t_first, "t_last": t_last,
+        "t_steady": t_steady,
+    }
+
+
+def commit_times(run_dir: str) -> tuple[list[tuple[float, int]], int, float]:
+    """(commit time, rows) of each caption shard, total output tokens, mean input tokens."""
+    import pyarrow.parquet as pq
+
+    shards = sorted(Path(run_dir, "captions").glob("part-*.parquet"))
+    stamps, out_tok, in_tok, rows = [], 0, 0, 0
+    for p in shards:
+        t = pq.read_table(p, columns=["num_output_tokens", "num_input_tokens"])
+        stamps.append((int(p.name.split("-")[1]) / 1e9, t.num_rows))
+        out_tok += sum(t.column("num_output_tokens").to_pylist())
+        in_tok += sum(t.column("num_input_tokens").to_pylist())
+        rows += t.num_rows
+    return sorted(stamps), out_tok, in_tok / max(rows, 1)
+
+
+_READY = re.compile(r"(\d\d)-(\d\d) (\d\d:\d\d:\d\d) \[core\.py:\d+\] init engine \(profile")
+
+
+def engine_ready_times(since: float, ray_tmp: str = "/tmp/ray") -> list[float]:
+    """When each vLLM engine of the newest local Ray session finished starting (its "init engine ...
+    took" log line, whole seconds, local time), from the workers' log files."""
+    sessions = sorted(Path(ray_tmp).glob("session_2*"), key=lambda p: p.stat().st_mtime)
+    if not sessions:
+        return []
+    year = time.localtime().tm_year
+    times = []
+    for f in (sessions[-1] / "logs").glob("worker-*"):
+        with open(f, errors="replace") as fh:
+            for line in fh:
+                m = _READY.search(line)
+                if m:
+                    t = time.mktime(time.strptime(f"{year}-{m[1]}-{m[2]} {m[3]}", "%Y-%m-%d %H:%M:%S"))
+                    if t >= since - 1:
+                        times.append(t)
+    return sorted(times)
+
+
+def pipeline_rates(n: int, t_start: float, stamps: list[tuple[float, int]], out_tok: int) -> dict:
+    """B and C: the steady window starts when the first engine is ready (Ray worker logs), so it holds
+    every image and the pipeline's fill; without those logs, at the first committed shard."""
+    ready = engine_ready_times(t_start)
+    if ready:
+        r = rates(n, t_start, stamps[0][0], stamps[-1][0], ready[0], n, out_tok)
+        r["engines_ready_after_s"] = [round(t - t_start, 1) for t in ready]
+        r["steady_from"] = "first engine ready"
+    else:
+        r = rates(n, t_start, stamps[0][0], stamps[-1][0], stamps[0][0], n - stamps[0][1], out_tok)
+        r["steady_from"] = "first committed shard (no engine log found)"
+    return r
+
+
+# ---------------------------------------------------------------- phase A: raw vLLM (child process)
+def phase_raw(a: argparse.Namespace) -> dict:
+    from captionflow.presets import PRESETS
+
+    preset = PRESETS[a.device]
+
+    t_start = time.time()
+    from PIL import Image
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    t_import = time.time()
+    kwargs = {"max_num_seqs": preset.max_num_seqs, "max_model_len": preset.max_model_len,
+              "limit_mm_per_prompt": {"image": 1, "video": 0}, "mm_processor_kwargs": {"max_pixels": a.max_pixels},
+              **preset.engine_kwargs, **json.loads(a.engine_kwargs)}
+    llm = LLM(model=a.model, **kwargs)
+    t_engine = time.time()
+    tok = AutoTokenizer.from_pretrained(a.model)
+    messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    files = sorted(Path(a.images).iterdir())
+    inputs = []
+    for f in files:  # decode in this process, as a plain script does
+        with Image.open(f) as im:
+            inputs.append({"prompt": prompt, "multi_modal_data": {"image": im.convert("RGB")}})
+    finished: list[float] = []
+
+    class Recorder:  # vLLM's progress-bar hook (a tqdm stand-in): update() once per finished request
+        def __init__(self, iterable=None, *args, total=None, desc="", **kw):
+            self.n, self.total, self.desc, self.postfix, self._t0 = 0, total, desc, "", time.time()
+            self._iterable = iterable
+
+        def __iter__(self):
+            return iter(self._iterable if self._iterable is not None else ())
+
+        def __len__(self):
+            return len(self._iterable)
+
+        @property
+        def format_dict(self):
+            return {"elapsed": max(time.time() - self._t0, 1e-9)}
+
+        def update(self, n=1):
+            self.n += n
+            if "rocess" in str(self.desc):
+                finished.extend([time.time()] * n)
+
+        def refresh(self, *a, **k):
+            pass
+
+        def close(self):
+            pass
+
+        def set_description(self, *a, **k):
+            pass
+
+    sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(inputs, sp, use_tqdm=Recorder, mm_processor_kwargs={"max_pixels": a.max_pixels})
+    t_end = time.time()
+    out_tok = sum(len(o.outputs[0].token_ids) for o in outs)
+    in_tok = sum(len(o.prompt_token_ids) for o in outs) / len(outs)
+    # vLLM's offline generate() processes every input (in this process) before it collects the first
+    # output, so "first result to last" is not observable here: A's steady window is its whole
+    # working time once the engine is up (decode, image processing and generation).
+    t_first = min(finished) if finished else t_end
+    r = rates(len(outs), t_start, t_first, t_end, t_engine, len(outs), out_tok)
+    r.update({"import_s": round(t_import - t_start, 2), "engine_start_s": round(t_engine - t_import, 2),
+              "mean_input_tokens": round(in_tok, 1), "output_tokens": out_tok, "engine_kwargs": kwargs})
+    return r
+
+
+# ---------------------------------------------------------------- phase B: the inference stage (child process)
+def _run_config(a: argparse.Namespace, output: str):
+    from captionflow.config import RunConfig
+
+    extra = {"engines_per_gpu": a.engines_per_gpu} if a.engines_per_gpu else {}
+    return RunConfig(dataset=a.images, output=output, model=a.model, device=a.device, max_tokens=a.max_tokens,
+                     ignore_eos=True, max_pixels=a.max_pixels, max_image_side=a.max_image_side,
+                     system_prompt=SYSTEM_PROMPT, prompt=PROMPT, engine_kwargs=json.loads(a.engine_kwargs),
+                     commit_rows=32, **extra)
+
+
+def phase_stage(a: argparse.Namespace) -> dict:
+    from captionflow.model_source import resolve_model
+    from tasks.inference import engine_layout, init_ray, run_inference
+    from tasks.ingest import ingest
+    from tasks.preprocess import preprocess
+
+    shutil.rmtree(Path(a.work) / "out-stage", ignore_errors=True)  # a fresh run: nothing to resume
+    cfg = _run_config(a, str(Path(a.work) / "out-stage"))
+    model = resolve_model(cfg.model, dummy_weights=cfg.dummy_weights())
+    init_ray(cfg)
+    manifest = preprocess(ingest(cfg), cfg)  # not timed: B is the inference stage alone
+    from captionflow.presets import PRESETS
+
+    layout = engine_layout(cfg, model, PRESETS[a.device])
+    t_start = time.time()
+    res = run_inference(cfg, manifest, model)
+    stamps, out_tok, in_tok = commit_times(res["run_dir"])
+    r = pipeline_rates(res["captioned"], t_start, stamps, out_tok)
+    r.update({"failed": res["failed"], "mean_input_tokens": round(in_tok, 1), "output_tokens": out_tok,
+              "engines": layout["concurrency"], "engines_per_gpu": layout["engines_per_gpu"],
+              "engine_kwargs": layout["engine_kwargs"]})
+    return r
+
+
+# ---------------------------------------------------------------- phase C: the whole flow (CLI process)
+def phase_flow(a: argparse.Namespace) -> dict:
+    out = Path(a.work) / "out-flow"
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run: nothing to resume, nothing cached
+    summary = Path(a.work) / "flow-summary.json"
+    cmd = [sys.executable, "-m", "captionflow.cli", "run", "--dataset", a.images, "--output", str(out),
+           "--model", a.model, "--device", a.device, "--max-tokens", str(a.max_tokens), "--ignore-eos",
+           "--max-pixels", str(a.max_pixels), "--max-image-side", str(a.max_image_side),
+           "--system-prompt", SYSTEM_PROMPT, "--prompt", PROMPT, "--engine-kwargs", a.engine_kwargs,
+           "--commit-rows", "32", "--summary-json", str(summary)]
+    if a.engines_per_gpu:
+        cmd += ["--engines-per-gpu", str(a.engines_per_gpu)]
+    t_start = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    t_end = time.time()
+    if proc.returncode != 0:
+        raise RuntimeError(f"captionflow run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    s = json.loads(summary.read_text())
+    stamps, out_tok, in_tok = commit_times(s["run_dir"])
+    r = pipeline_rates(s["counts"]["captioned"], t_start, stamps, out_tok)
+    # the flow ends after evaluate: its wall time runs to the process's exit, not to the last caption
+    r["wall_s"] = round(t_end - t_start, 2)
+    r["images_per_s_wall"] = round(s["counts"]["captioned"] / (t_end - t_start), 2)
+    r.update({"failed": s["counts"]["failed"], "mean_input_tokens": round(in_tok, 1), "output_tokens": out_tok,
+              "stage_timings_s": s.get("timings_s"), "quarantined": s["counts"]["quarantined"]})
+    return r
+
+
+PHASES = {"raw": phase_raw, "stage": phase_stage, "flow": phase_flow}
+
+
+# ---------------------------------------------------------------- orchestration
+def prepare(a: argparse.Namespace) -> None:
+    work = Path(a.work)
+    if not a.images:
+        from bench.synthetic import make_images
+
+        folder = work / "images"
+        if not (folder.is_dir() and len(list(folder.iterdir())) == a.n):
+            make_images(folder, a.n)
+        a.images = str(folder)
+    if a.model == "builtin":
+        from captionflow.builtin_model import ensure_builtin_model
+
+        a.model = str(ensure_builtin_model())
+    elif not a.model:
+        from captionflow.standin_model import build_standin
+
+        model_dir = work / f"standin-{a.arch}"
+        if not model_dir.exists():
+            build_standin(a.arch, model_dir)
+        a.model = str(model_dir)
+        a.engine_kwargs = json.dumps({"load_format": "dummy", **json.loads(a.engine_kwargs)})
+
+
+def run_phase(name: str, a: argparse.Namespace, sampler: GpuSampler) -> dict:
+    """Run one phase in a child process; its result plus GPU figures over its steady window."""
+    res_file = Path(a.work) / f"phase-{name}.json"
+    res_file.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "--child", name, "--device", a.device, "--work", a.work, "--images", a.images, "--model", a.model,
+           "--max-tokens", str(a.max_tokens), "--max-pixels", str(a.max_pixels),
+           "--max-image-side", str(a.max_image_side), "--engine-kwargs", a.engine_kwargs]
+    if a.engines_per_gpu:
+        cmd += ["--engines-per-gpu", str(a.engines_per_gpu)]
+    t0 = time.time()
+    log = Path(a.work) / f"phase-{name}.log"
+    with open(log, "w") as fh:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=a.phase_timeout)
+    if proc.returncode != 0 or not res_file.exists():
+        tail = log.read_text(errors="replace")[-4000:]
+        return {"error": f"exit {proc.returncode}", "log_tail": tail, "elapsed_s": round(time.time() - t0, 1)}
+    r = json.loads(res_file.read_text())
+    r["gpu_steady"] = sampler.window(r["t_steady"], r["t_last"])
+    r["gpu_whole_phase"] = sampler.window(t0, time.time())
+    return r
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=2000, help="synthetic 640x480 JPEGs (ignored with --images)")
+    ap.add_argument("--images", help="a folder of images instead of synthetic ones")
+    ap.add_argument("--arch", default="qwen2.5-vl-3b", help="stand-in architecture (without --model)")
+    ap.add_argument("--model", help="a checkpoint folder with real weights instead of the stand-in "
+                                    "('builtin': the tiny built-in model, for a quick check on CPU)")
+    ap.add_argument("--device", choices=["gpu", "cpu"], default="gpu", help="the preset (cpu: a smoke test)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-pixels", type=int, default=448 * 448, help="image processor budget, all phases")
+    ap.add_argument("--max-image-side", type=int, default=640, help="preprocess bound (B, C); 640 keeps 640x480")
+    ap.add_argument("--engines-per-gpu", type=int, help="default: the GPU preset's sizing")
+    ap.add_argument("--engine-kwargs", default="{}", help="extra vLLM kwargs (JSON), all phases")
+    ap.add_argument("--phases", default="raw,stage,flow")
+    ap.add_argument("--phase-timeout", type=float, default=900)
+    ap.add_argument("--work", help="working folder (default: a new temporary one)")
+    ap.add_argument("--json", help="results file (default bench/results/gpu_throughput-<gpu>.json)")
+    ap.add_argument("--merge", action="store_true", help="keep the other phases already in --json")
+    ap.add_argument("--child", choices=sorted(PHASES), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+
+    if a.child:
+        r = PHASES[a.child](a)
+        Path(a.work, f"phase-{a.child}.json").write_text(json.dumps(r, indent=2))
+        return 0
+
+    a.work = a.work or tempfile.mkdtemp(prefix="cf-gpu-bench-")
+    prepare(a)
+    n_images = len(list(Path(a.images).iterdir()))
+    results: dict = {"n": n_images, "host": platform.node(), "cpus": os.cpu_count(), "model": a.model,
+                     "arch": None if "--model" in sys.argv else a.arch, "max_tokens": a.max_tokens,
+                     "max_pixels": a.max_pixels, "max_image_side": a.max_image_side,
+                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    out = Path(a.json) if a.json else None
+    if a.merge and out and out.exists():  # phases run by an earlier invocation on the same work folder
+        earlier = json.loads(out.read_text())
+        results = {**{k: v for k, v in earlier.items() if k in PHASES}, **results}
+    with GpuSampler() as sampler:
+        results["device"] = ", ".join(sampler.names)
+        for name in a.phases.split(","):
+            print(f"--- phase {name}", flush=True)
+            results[name] = run_phase(name, a, sampler)
+            print(json.dumps({k: v for k, v in results[name].items() if k != "log_tail"}), flush=True)
+            if "error" in results[name]:
+                print(results[name]["log_tail"], flush=True)
+            _finish(results)
+            out = _write(results, out)
+    _table(results)
+    print("wrote", out)
+    return 0
+
+
+def _finish(results: dict) -> None:
+    raw = results.get("raw") or {}
+    ratios, wall = {}, {}
+    for key, name in (("stage_vs_raw", "stage"), ("flow_vs_raw", "flow")):
+        other = results.get(name) or {}
+        if raw.get("images_per_s") and other.get("images_per_s"):
+            ratios[key] = round(other["images_per_s"] / raw["images_per_s"], 3)
+            wall[key] = round(other["images_per_s_wall"] / raw["images_per_s_wall"], 3)
+    results["ratios"], results["ratios_wall"] = ratios, wall
+    results["ratio_basis"] = "steady-state images/s (first to last result); ratios_wall include start-up"
+
+
+def _write(results: dict, out: Path | None) -> Path:
+    if out is None:
+        gpu = results.get("device", "gpu").split(",")[0].replace("NVIDIA ", "").replace(" ", "-").lower()
+        out = ROOT / "bench" / "results" / f"gpu_throughput-{gpu or 'gpu'}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    return out
+
+
+def _table(results: dict) -> None:
+    cols = [n for n in ("raw", "stage", "flow") if n in results and "error" not in results[n]]
+    rows = [("images/s (steady)", "images_per_s"), ("images/s (incl. start-up)", "images_per_s_wall"),
+            ("output tokens/s", "output_tokens_per_s"), ("first result after s", "start_to_first_result_s"),
+            ("wall s", "wall_s"), ("mean input tokens", "mean_input_tokens")]
+    print(f"{'':28}" + "".join(f"{c:>12}" for c in cols))
+    for label, key in rows:
+        print(f"{label:28}" + "".join(f"{results[c].get(key)!s:>12}" for c in cols))
+    print(f"{'GPU busy % (steady)':28}" + "".join(f"{results[c]['gpu_steady']['gpu_busy_pct']!s:>12}" for c in cols))
+    print(f"{'GPU memory peak GiB':28}" + "".join(f"{results[c]['gpu_whole_phase']['gpu_mem_peak_gib']!s:>12}" for c in cols))
+    print(f"device: {results.get('device')}  n={results['n']}  ratios: {json.dumps(results.get('ratios'))}"
+          f"  incl. start-up: {json.dumps(results.get('ratios_wall'))}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
