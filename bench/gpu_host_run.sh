@@ -16,10 +16,11 @@ fi
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
   TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 DO_NOT_TRACK=1 PREFECT_HOME=/tmp/cf-prefect
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 bench/gpu_throughput.py --work /tmp/cf-bench --json /tmp/cf-bench/gpu_throughput.json "$@"
+JSON=${BENCH_JSON:-/tmp/cf-bench/gpu_throughput.json}
+python3 bench/gpu_throughput.py --work /tmp/cf-bench --json "$JSON" "$@"
 rc=$?
 if [ -n "${OUT:-}" ]; then
-  cp /tmp/cf-bench/gpu_throughput.json "$OUT/" 2>/dev/null
-  for f in /tmp/cf-bench/phase-*.log; do [ -f "$f" ] && tail -c 4000000 "$f" > "$OUT/$(basename "$f")"; done
+  cp /tmp/cf-bench/gpu_throughput*.json "$OUT/" 2>/dev/null
+  for f in /tmp/cf-bench/phase-*.log; do [ -f "$f" ] && tail -c 3000000 "$f" > "$OUT/$(basename "$f")"; done
 fi
 exit $rc

@@ -144,6 +144,23 @@ def engine_ready_times(since: float, ray_tmp: str = "/tmp/ray") -> list[float]:
     return sorted(times)
 
 
+_ENGINE_LOG = re.compile(r"init engine|Available KV|GPU KV cache|Maximum concurrency|Avg prompt throughput|"
+                         r"Elapsed time for batch|max_num_batched_tokens|Model loading took|Error|error")
+
+
+def save_engine_logs(dest: Path, ray_tmp: str = "/tmp/ray") -> None:
+    """The vLLM engines' own lines (start-up, KV cache, throughput) from the newest Ray session."""
+    sessions = sorted(Path(ray_tmp).glob("session_2*"), key=lambda p: p.stat().st_mtime)
+    if not sessions:
+        return
+    with open(dest, "w") as out:
+        for f in sorted((sessions[-1] / "logs").glob("worker-*")):
+            with open(f, errors="replace") as fh:
+                for line in fh:
+                    if _ENGINE_LOG.search(line):
+                        out.write(f"{f.name[-12:]}: {line[:400].rstrip()}\n")
+
+
 def pipeline_rates(n: int, t_start: float, stamps: list[tuple[float, int]], out_tok: int) -> dict:
     """B and C: the steady window starts when the first engine is ready (Ray worker logs), so it holds
     every image and the pipeline's fill; without those logs, at the first committed shard."""
@@ -259,6 +276,7 @@ def phase_stage(a: argparse.Namespace) -> dict:
     res = run_inference(cfg, manifest, model)
     stamps, out_tok, in_tok = commit_times(res["run_dir"])
     r = pipeline_rates(res["captioned"], t_start, stamps, out_tok)
+    save_engine_logs(Path(a.work) / "phase-stage-engines.log")
     r.update({"failed": res["failed"], "mean_input_tokens": round(in_tok, 1), "output_tokens": out_tok,
               "engines": layout["concurrency"], "engines_per_gpu": layout["engines_per_gpu"],
               "engine_kwargs": layout["engine_kwargs"]})
@@ -285,6 +303,7 @@ def phase_flow(a: argparse.Namespace) -> dict:
     s = json.loads(summary.read_text())
     stamps, out_tok, in_tok = commit_times(s["run_dir"])
     r = pipeline_rates(s["counts"]["captioned"], t_start, stamps, out_tok)
+    save_engine_logs(Path(a.work) / "phase-flow-engines.log")
     # the flow ends after evaluate: its wall time runs to the process's exit, not to the last caption
     r["wall_s"] = round(t_end - t_start, 2)
     r["images_per_s_wall"] = round(s["counts"]["captioned"] / (t_end - t_start), 2)

@@ -59,12 +59,16 @@ CPU = Preset(
 )
 GPU = Preset(
     name="gpu", batch_size=64, concurrency=1, max_concurrent_batches=8, max_num_seqs=256, max_model_len=4096,
-    max_pixels=448 * 448, cpu_stage_cpus=1.0, map_cpus=0.5, engine_cpus=1.0, engine_gpus=1,
+    max_pixels=448 * 448, cpu_stage_cpus=1.0, map_cpus=0.5, engine_cpus=2.0, engine_gpus=1,
     tokenize_in_ray=True,
+    # max_num_batched_tokens: vLLM's default depends on who builds the engine - 16384 on an H100 for
+    # vllm.LLM, 2048 for the AsyncLLM that Ray Data LLM builds - so an image prompt (~300 tokens)
+    # prefills a few at a time per step unless it is set. engine_cpus 2: Ray gives each engine actor
+    # OMP_NUM_THREADS = its CPUs, and the image processor's torch ops run on them.
     # prefix caching: every request starts with the same system prompt; chunked prefill: long image
     # prompts do not stall running decodes; no processor cache: every image is new (it only costs hashing).
     engine_kwargs={"enable_prefix_caching": True, "enable_chunked_prefill": True, "gpu_memory_utilization": 0.9,
-                   "mm_processor_cache_gb": 0},
+                   "mm_processor_cache_gb": 0, "max_num_batched_tokens": 16384},
     cpu_stage_concurrency=4, max_engines_per_gpu=4, kv_cache_bytes=4 * 2**30, engine_overhead_bytes=4 * 2**30,
 )
 PRESETS = {"cpu": CPU, "gpu": GPU}
