@@ -2,7 +2,7 @@
 # The GPU benchmark on the offline GPU host (shared/GPU-HOST.md), from the wheelhouse parts of
 # infra/wheelhouse/build_wheelhouse.sh already copied to PARTS_DIR; installs once into /tmp/cf-site.
 #   bench/gpu_host_run.sh PARTS_DIR [bench/gpu_throughput.py options]
-# Results: /tmp/cf-bench/gpu_throughput.json (and $OUT/, with the phases' logs, when OUT is set).
+# Results: $BENCH_WORK/gpu_throughput.json (default /tmp/cf-bench; and $OUT/ with the phases' logs, when OUT is set).
 set -uo pipefail
 PARTS=${1:?parts folder}
 shift
@@ -16,11 +16,12 @@ fi
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
   TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 DO_NOT_TRACK=1 PREFECT_HOME=/tmp/cf-prefect
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-JSON=${BENCH_JSON:-/tmp/cf-bench/gpu_throughput.json}
-python3 bench/gpu_throughput.py --work /tmp/cf-bench --json "$JSON" "$@"
+WORK=${BENCH_WORK:-/tmp/cf-bench}
+JSON=${BENCH_JSON:-$WORK/gpu_throughput.json}
+python3 bench/gpu_throughput.py --work "$WORK" --json "$JSON" "$@"
 rc=$?
 if [ -n "${OUT:-}" ]; then
-  cp /tmp/cf-bench/gpu_throughput*.json "$OUT/" 2>/dev/null
-  for f in /tmp/cf-bench/phase-*.log; do [ -f "$f" ] && tail -c 3000000 "$f" > "$OUT/$(basename "$f")"; done
+  cp "$WORK"/gpu_throughput*.json "$OUT/" 2>/dev/null
+  for f in "$WORK"/phase-*.log; do [ -f "$f" ] && tail -c 3000000 "$f" > "$OUT/$(basename "$f")"; done
 fi
 exit $rc
