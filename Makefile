@@ -44,6 +44,9 @@ lock:
 	  --index-strategy unsafe-best-match --no-header -o requirements/cpu.lock
 	uv pip compile requirements/gpu.in --override requirements/overrides.txt \
 	  --python-version 3.11 --python-platform x86_64-manylinux_2_28 --no-header -o requirements/gpu.lock
+	UV_PYTHON_DOWNLOADS=never uv pip compile requirements/gpu-host.in --override requirements/overrides.txt \
+	  --override requirements/overrides-gpu-host.txt --constraint requirements/gpu-host-constraints.txt \
+	  --python-version 3.12 --python-platform x86_64-manylinux_2_28 --no-header -o requirements/gpu-host.lock
 
 clean:
 	rm -rf $(VENV) captionflow-out
