@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 from prefect import task
 
 from captionflow.config import RunConfig
-from captionflow.images import Rejected, normalise_image
+from captionflow.preprocess_items import process_item
 from captionflow.retry import retry_transient
 from captionflow.storage import Store, open_fs
 from tasks.ingest import SCHEMA_VERSION, IngestResult
@@ -40,54 +40,13 @@ SHARD_SCHEMA = pa.schema([
 QUARANTINE_SCHEMA = pa.schema([
     ("source", pa.string()), ("reason", pa.string()), ("detail", pa.string()), ("size_bytes", pa.int64()),
 ])
-FILES_PER_TASK = 32
+FILES_PER_TASK = 128
+TASKS_PER_CORE = 1.0
 
 
 def shard_paths(store: Store, manifest: dict) -> list[str]:
     """Full paths of a dataset's committed shards, in order."""
     return [store.path("datasets", manifest["dataset_fingerprint"], "shards", s) for s in manifest["shards"]]
-
-
-def _result(source: str, data: bytes, refs: list[str], max_side: int, max_pixels: int) -> dict:
-    row = {"source": source, "image_id": "", "image": b"", "width": 0, "height": 0, "orig_format": "",
-           "orig_width": 0, "orig_height": 0, "references": refs, "reason": "", "detail": "",
-           "size_bytes": len(data)}
-    try:
-        n = normalise_image(data, max_side, max_pixels)
-    except Rejected as r:
-        row.update(reason=r.reason, detail=r.detail)
-        return row
-    row.update(image_id=n.image_id, image=n.data, width=n.width, height=n.height, orig_format=n.orig_format,
-               orig_width=n.orig_width, orig_height=n.orig_height)
-    return row
-
-
-def _process_item(item: dict, *, fs, kind: str, image_column: str | None, caption_column: str | None,
-                  references: dict, max_side: int, max_pixels: int) -> list[dict]:
-    """One work item -> result rows (accepted: image_id set; rejected: reason set)."""
-    if kind == "images":
-        try:
-            data = fs.cat_file(item["path"])
-        except OSError as e:
-            return [{**_result(item["name"], b"", [], max_side, max_pixels), "reason": "unreadable",
-                     "detail": f"{type(e).__name__}: {e}"[:300], "size_bytes": item["size"]}]
-        return [_result(item["name"], data, references.get(item["name"], []), max_side, max_pixels)]
-    import pyarrow.parquet as pq
-
-    with fs.open(item["path"], "rb") as fh:
-        cols = [image_column] + ([caption_column] if caption_column else [])
-        t = pq.ParquetFile(fh).read_row_group(item["row_group"], columns=cols)
-    out = []
-    images = t.column(image_column).to_pylist()
-    caps = t.column(caption_column).to_pylist() if caption_column else [None] * len(images)
-    for i, (img, cap) in enumerate(zip(images, caps)):
-        source = f"{item['name']}#{item['first_row'] + i}"
-        if isinstance(img, dict):
-            source = f"{source}:{img.get('path')}" if img.get("path") else source
-            img = img.get("bytes")
-        refs = [cap] if isinstance(cap, str) else [str(c) for c in cap] if cap else []
-        out.append(_result(source, img or b"", refs, max_side, max_pixels))
-    return out
 
 
 def work_items(ing: IngestResult) -> list[dict]:
@@ -164,11 +123,11 @@ def preprocess(ing: IngestResult, cfg: RunConfig) -> dict:
     # One task per physical core: a local Ray declares more logical CPUs than cores (presets.py).
     physical = os.cpu_count() or 1
     logical = ray.cluster_resources().get("CPU", physical)
-    per_task = max(1.0, logical / physical) if not (cfg.ray_address or os.environ.get("RAY_ADDRESS")) else 1.0
+    per_task = (logical / (physical * TASKS_PER_CORE)) if not (cfg.ray_address or os.environ.get("RAY_ADDRESS")) else 1.0
     n_blocks = max(1, min(len(items), (len(items) + FILES_PER_TASK - 1) // FILES_PER_TASK if ing.kind == "images"
                           else len(items)))
     ds = ray.data.from_items(items, override_num_blocks=n_blocks).flat_map(
-        functools.partial(_process_item, fs=fs, kind=ing.kind, image_column=ing.image_column,
+        functools.partial(process_item, fs=fs, kind=ing.kind, image_column=ing.image_column,
                           caption_column=ing.caption_column, references=ing.references,
                           max_side=params["max_image_side"], max_pixels=params["max_input_pixels"]),
         num_cpus=per_task)
