@@ -81,8 +81,15 @@ def test_prefect_yaml_matches_the_flow():
 
 
 def test_wheelhouse_scripts_parse():
-    for script in (INFRA / "wheelhouse").glob("*.sh"):
+    for script in [*(INFRA / "wheelhouse").glob("*.sh"), *(INFRA.parent / "bench").glob("*.sh")]:
         subprocess.run(["bash", "-n", str(script)], check=True)
-    reqs = [line for line in (INFRA / "wheelhouse" / "gpu-host-py312.txt").read_text().splitlines()
-            if line and not line.startswith("#")]
-    assert "vllm==0.26.0" in reqs and all("==" in r for r in reqs)
+    lock = (INFRA.parent / "requirements" / "gpu-host.lock").read_text()
+    pins = dict(line.split("==", 1) for line in lock.splitlines() if "==" in line and not line.startswith(" "))
+    # vLLM 0.26.0 is the newest built for the host's torch 2.11; the lock must agree with the host
+    assert pins["vllm"] == "0.26.0" and pins["ray"] == "2.60.0" and pins["torch"] == "2.11.0"
+    assert pins["numpy"] == "2.5.2" and pins["prefect"] == "3.9.1"
+    words = lambda f: {w for line in (INFRA / "wheelhouse" / f).read_text().splitlines()
+                       if not line.startswith("#") for w in line.split()}
+    present, excluded = words("gpu-host-present.txt"), words("gpu-host-exclude.txt")
+    assert {"torch", "transformers", "numpy"} <= present  # the host's own stay
+    assert not ({"vllm", "ray", "prefect", "pydantic"} & (present | excluded))  # the wheelhouse carries these
