@@ -15,9 +15,11 @@ Engines per GPU (GPU preset). One vLLM engine does its multimodal input processi
 processor: resize, normalise, patchify) in one Python process, and for a small VLM that process,
 not the GPU, is the bottleneck (shared/GPU-HOST.md: raw vLLM kept an H100 ~26% busy). So the GPU
 preset runs several engine replicas on each GPU (each a Ray actor holding ``1/k`` of the GPU, its
-own fixed KV cache), which spreads input processing over k processes and keeps the GPU fed. k is
-chosen from the model's weight size: as many engines as fit in 90% of the GPU's memory, at most
-``max_engines_per_gpu``; ``engines_per_gpu`` overrides it.
+own fixed KV cache), which spreads input processing over k processes. k is chosen from the
+model's weight size: as many engines as fit in 90% of the GPU's memory, at most
+``max_engines_per_gpu``; ``engines_per_gpu`` overrides it. Measured on an H100 (README, GPU
+benchmark): 4 engines under CUDA MPS gave 1.15x raw vLLM, not the hoped-for 2x; the GPU was still
+idle half the time, so the engines' own step loop, not only input processing, limits it.
 """
 
 from __future__ import annotations
