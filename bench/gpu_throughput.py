@@ -122,18 +122,21 @@ def commit_times(run_dir: str) -> tuple[list[tuple[float, int]], int, float]:
     return sorted(stamps), out_tok, in_tok / max(rows, 1)
 
 
+def _worker_logs(ray_tmp: str) -> list[Path]:
+    """The worker log files of the newest local Ray session (vLLM engines log there)."""
+    sessions = sorted(Path(ray_tmp).glob("session_2*"), key=lambda p: p.stat().st_mtime)
+    return sorted((sessions[-1] / "logs").glob("worker-*")) if sessions else []
+
+
 _READY = re.compile(r"(\d\d)-(\d\d) (\d\d:\d\d:\d\d) \[core\.py:\d+\] init engine \(profile")
 
 
 def engine_ready_times(since: float, ray_tmp: str = "/tmp/ray") -> list[float]:
     """When each vLLM engine of the newest local Ray session finished starting (its "init engine ...
     took" log line, whole seconds, local time), from the workers' log files."""
-    sessions = sorted(Path(ray_tmp).glob("session_2*"), key=lambda p: p.stat().st_mtime)
-    if not sessions:
-        return []
     year = time.localtime().tm_year
     times = []
-    for f in (sessions[-1] / "logs").glob("worker-*"):
+    for f in _worker_logs(ray_tmp):
         with open(f, errors="replace") as fh:
             for line in fh:
                 m = _READY.search(line)
@@ -150,11 +153,8 @@ _ENGINE_LOG = re.compile(r"init engine|Available KV|GPU KV cache|Maximum concurr
 
 def save_engine_logs(dest: Path, ray_tmp: str = "/tmp/ray") -> None:
     """The vLLM engines' own lines (start-up, KV cache, throughput) from the newest Ray session."""
-    sessions = sorted(Path(ray_tmp).glob("session_2*"), key=lambda p: p.stat().st_mtime)
-    if not sessions:
-        return
     with open(dest, "w") as out:
-        for f in sorted((sessions[-1] / "logs").glob("worker-*")):
+        for f in _worker_logs(ray_tmp):
             with open(f, errors="replace") as fh:
                 for line in fh:
                     if _ENGINE_LOG.search(line):

@@ -41,7 +41,6 @@ QUARANTINE_SCHEMA = pa.schema([
     ("source", pa.string()), ("reason", pa.string()), ("detail", pa.string()), ("size_bytes", pa.int64()),
 ])
 FILES_PER_TASK = 128
-TASKS_PER_CORE = 1.0
 
 
 def shard_paths(store: Store, manifest: dict) -> list[str]:
@@ -123,7 +122,7 @@ def preprocess(ing: IngestResult, cfg: RunConfig) -> dict:
     # One task per physical core: a local Ray declares more logical CPUs than cores (presets.py).
     physical = os.cpu_count() or 1
     logical = ray.cluster_resources().get("CPU", physical)
-    per_task = (logical / (physical * TASKS_PER_CORE)) if not (cfg.ray_address or os.environ.get("RAY_ADDRESS")) else 1.0
+    per_task = max(1.0, logical / physical) if not (cfg.ray_address or os.environ.get("RAY_ADDRESS")) else 1.0
     n_blocks = max(1, min(len(items), (len(items) + FILES_PER_TASK - 1) // FILES_PER_TASK if ing.kind == "images"
                           else len(items)))
     ds = ray.data.from_items(items, override_num_blocks=n_blocks).flat_map(
