@@ -52,9 +52,14 @@ PROMPT = "Describe this image in one sentence."
 
 # ---------------------------------------------------------------- GPU sampling (this process)
 class GpuSampler:
-    """Samples utilisation (%) and memory used (bytes) of every GPU every ``period`` seconds."""
+    """Samples utilisation (%) and memory used (bytes) of every GPU, and the host's CPU busy %, every
+    ``period`` seconds."""
 
     def __init__(self, period: float = 0.25):
+        import psutil
+
+        self._cpu = psutil.cpu_percent
+        self._cpu(None)
         self.period, self.samples, self._stop = period, [], threading.Event()
         try:
             import pynvml
@@ -70,27 +75,30 @@ class GpuSampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             t = time.time()
-            util = [self._nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self._handles]
-            mem = [self._nvml.nvmlDeviceGetMemoryInfo(h).used for h in self._handles]
-            self.samples.append((t, sum(util) / max(len(util), 1), sum(mem)))
+            if self._nvml:
+                util = [self._nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self._handles]
+                mem = [self._nvml.nvmlDeviceGetMemoryInfo(h).used for h in self._handles]
+                self.samples.append((t, sum(util) / max(len(util), 1), sum(mem), self._cpu(None)))
+            else:
+                self.samples.append((t, None, None, self._cpu(None)))
             self._stop.wait(self.period)
 
     def __enter__(self):
-        if self._nvml:
-            self._thread.start()
+        self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
-        if self._nvml:
-            self._thread.join()
+        self._thread.join()
 
     def window(self, t0: float, t1: float) -> dict:
         s = [x for x in self.samples if t0 <= x[0] <= t1]
         if not s:
-            return {"gpu_busy_pct": None, "gpu_mem_peak_gib": None, "samples": 0}
-        return {"gpu_busy_pct": round(sum(x[1] for x in s) / len(s), 1),
-                "gpu_mem_peak_gib": round(max(x[2] for x in s) / 2**30, 2), "samples": len(s)}
+            return {"gpu_busy_pct": None, "gpu_mem_peak_gib": None, "host_cpu_busy_pct": None, "samples": 0}
+        gpu = s[0][1] is not None
+        return {"gpu_busy_pct": round(sum(x[1] for x in s) / len(s), 1) if gpu else None,
+                "gpu_mem_peak_gib": round(max(x[2] for x in s) / 2**30, 2) if gpu else None,
+                "host_cpu_busy_pct": round(sum(x[3] for x in s) / len(s), 1), "samples": len(s)}
 
 
 def rates(n: int, t_start: float, t_first: float, t_last: float, t_steady: float, n_steady: int,
@@ -151,14 +159,24 @@ _ENGINE_LOG = re.compile(r"init engine|Available KV|GPU KV cache|Maximum concurr
                          r"Elapsed time for batch|max_num_batched_tokens|Model loading took|Error|error")
 
 
-def save_engine_logs(dest: Path, ray_tmp: str = "/tmp/ray") -> None:
-    """The vLLM engines' own lines (start-up, KV cache, throughput) from the newest Ray session."""
+_BATCH_DONE = re.compile(r"Elapsed time for batch \S+ with size (\d+)")
+
+
+def save_engine_logs(dest: Path, ray_tmp: str = "/tmp/ray") -> dict[str, int]:
+    """The vLLM engines' own lines (start-up, KV cache, throughput) from the newest Ray session; returns
+    the rows each engine actor finished (from Ray Data LLM's per-batch lines), by worker process id."""
+    rows: dict[str, int] = {}
     with open(dest, "w") as out:
         for f in _worker_logs(ray_tmp):
             with open(f, errors="replace") as fh:
                 for line in fh:
                     if _ENGINE_LOG.search(line):
                         out.write(f"{f.name[-12:]}: {line[:400].rstrip()}\n")
+                    m = _BATCH_DONE.search(line)
+                    if m:
+                        pid = f.stem.rsplit("-", 1)[-1]
+                        rows[pid] = rows.get(pid, 0) + int(m[1])
+    return rows
 
 
 def pipeline_rates(n: int, t_start: float, stamps: list[tuple[float, int]], out_tok: int) -> dict:
@@ -253,6 +271,7 @@ def _run_config(a: argparse.Namespace, output: str):
 
     extra = {"engines_per_gpu": a.engines_per_gpu} if a.engines_per_gpu else {}
     return RunConfig(dataset=a.images, output=output, model=a.model, device=a.device, max_tokens=a.max_tokens,
+                     cuda_mps=a.cuda_mps,
                      ignore_eos=True, max_pixels=a.max_pixels, max_image_side=a.max_image_side,
                      system_prompt=SYSTEM_PROMPT, prompt=PROMPT, engine_kwargs=json.loads(a.engine_kwargs),
                      commit_rows=32, **extra)
@@ -276,10 +295,10 @@ def phase_stage(a: argparse.Namespace) -> dict:
     res = run_inference(cfg, manifest, model)
     stamps, out_tok, in_tok = commit_times(res["run_dir"])
     r = pipeline_rates(res["captioned"], t_start, stamps, out_tok)
-    save_engine_logs(Path(a.work) / "phase-stage-engines.log")
+    r["rows_per_engine"] = sorted(save_engine_logs(Path(a.work) / "phase-stage-engines.log").values())
     r.update({"failed": res["failed"], "mean_input_tokens": round(in_tok, 1), "output_tokens": out_tok,
               "engines": layout["concurrency"], "engines_per_gpu": layout["engines_per_gpu"],
-              "engine_kwargs": layout["engine_kwargs"]})
+              "engine_kwargs": layout["engine_kwargs"], "cuda_mps": bool(layout["env"])})
     return r
 
 
@@ -292,7 +311,7 @@ def phase_flow(a: argparse.Namespace) -> dict:
            "--model", a.model, "--device", a.device, "--max-tokens", str(a.max_tokens), "--ignore-eos",
            "--max-pixels", str(a.max_pixels), "--max-image-side", str(a.max_image_side),
            "--system-prompt", SYSTEM_PROMPT, "--prompt", PROMPT, "--engine-kwargs", a.engine_kwargs,
-           "--commit-rows", "32", "--summary-json", str(summary)]
+           "--commit-rows", "32", "--summary-json", str(summary), "--cuda-mps", a.cuda_mps]
     if a.engines_per_gpu:
         cmd += ["--engines-per-gpu", str(a.engines_per_gpu)]
     t_start = time.time()
@@ -303,7 +322,7 @@ def phase_flow(a: argparse.Namespace) -> dict:
     s = json.loads(summary.read_text())
     stamps, out_tok, in_tok = commit_times(s["run_dir"])
     r = pipeline_rates(s["counts"]["captioned"], t_start, stamps, out_tok)
-    save_engine_logs(Path(a.work) / "phase-flow-engines.log")
+    r["rows_per_engine"] = sorted(save_engine_logs(Path(a.work) / "phase-flow-engines.log").values())
     # the flow ends after evaluate: its wall time runs to the process's exit, not to the last caption
     r["wall_s"] = round(t_end - t_start, 2)
     r["images_per_s_wall"] = round(s["counts"]["captioned"] / (t_end - t_start), 2)
@@ -345,7 +364,7 @@ def run_phase(name: str, a: argparse.Namespace, sampler: GpuSampler) -> dict:
     res_file.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--child", name, "--device", a.device, "--work", a.work, "--images", a.images, "--model", a.model,
            "--max-tokens", str(a.max_tokens), "--max-pixels", str(a.max_pixels),
-           "--max-image-side", str(a.max_image_side), "--engine-kwargs", a.engine_kwargs]
+           "--max-image-side", str(a.max_image_side), "--engine-kwargs", a.engine_kwargs, "--cuda-mps", a.cuda_mps]
     if a.engines_per_gpu:
         cmd += ["--engines-per-gpu", str(a.engines_per_gpu)]
     t0 = time.time()
@@ -382,6 +401,8 @@ def main() -> int:
     ap.add_argument("--max-image-side", type=int, default=640, help="preprocess bound (B, C); 640 keeps 640x480")
     ap.add_argument("--engines-per-gpu", type=int, help="default: the GPU preset's sizing")
     ap.add_argument("--engine-kwargs", default="{}", help="extra vLLM kwargs (JSON), all phases")
+    ap.add_argument("--cuda-mps", choices=["auto", "on", "off"], default="auto",
+                    help="the pipeline's cuda_mps parameter (stage, flow); raw vLLM runs without MPS")
     ap.add_argument("--phases", default="raw,stage,flow")
     ap.add_argument("--phase-timeout", type=float, default=900)
     ap.add_argument("--work", help="working folder (default: a new temporary one)")
@@ -453,6 +474,7 @@ def _table(results: dict) -> None:
     for label, key in rows:
         print(f"{label:28}" + "".join(f"{results[c].get(key)!s:>12}" for c in cols))
     print(f"{'GPU busy % (steady)':28}" + "".join(f"{results[c]['gpu_steady']['gpu_busy_pct']!s:>12}" for c in cols))
+    print(f"{'host CPU busy % (steady)':28}" + "".join(f"{results[c]['gpu_steady'].get('host_cpu_busy_pct')!s:>12}" for c in cols))
     print(f"{'GPU memory peak GiB':28}" + "".join(f"{results[c]['gpu_whole_phase']['gpu_mem_peak_gib']!s:>12}" for c in cols))
     print(f"device: {results.get('device')}  n={results['n']}  ratios: {json.dumps(results.get('ratios'))}"
           f"  incl. start-up: {json.dumps(results.get('ratios_wall'))}")

@@ -64,6 +64,11 @@ class RunConfig(BaseModel):
     gpu_memory_gib: Optional[float] = Field(
         None, gt=0, title="GPU memory (GiB) for sizing engines_per_gpu",
         description="Default: read from this machine's GPU, else 80.")
+    cuda_mps: Literal["auto", "on", "off"] = Field(
+        "auto", title="CUDA MPS for several engines per GPU",
+        description="auto: when captionflow starts Ray locally and several engines share a GPU, it starts the CUDA "
+                    "MPS control daemon (if found) so their kernels run side by side; on: the same, failing if it "
+                    "cannot; off: never.")
     max_concurrent_batches: Optional[int] = Field(None, ge=1, title="Batches in flight per engine replica")
     max_num_seqs: Optional[int] = Field(None, ge=1, title="vLLM max_num_seqs")
     max_model_len: Optional[int] = Field(None, ge=64, title="vLLM max_model_len")

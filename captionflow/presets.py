@@ -49,6 +49,10 @@ class Preset:
     max_engines_per_gpu: int = 1
     kv_cache_bytes: int = 0  # fixed KV cache of each engine when several share a GPU
     engine_overhead_bytes: int = 0  # activations, CUDA graphs, vision encoder workspace per engine
+    # Batches Ray Data hands each engine actor at once (None: Ray's default, 2 x max_concurrent_batches).
+    # Equal to max_concurrent_batches, the remaining batches wait in Ray Data's queue and go to whichever
+    # engine frees a slot first, instead of piling up behind the first engine that finished starting.
+    max_tasks_in_flight_per_actor: int | None = None
 
 
 CPU = Preset(
@@ -60,7 +64,7 @@ CPU = Preset(
     engine_kwargs={"enforce_eager": True, "kv_cache_memory_bytes": 512 * 2**20, "dtype": "float32"},
 )
 GPU = Preset(
-    name="gpu", batch_size=64, concurrency=1, max_concurrent_batches=8, max_num_seqs=256, max_model_len=4096,
+    name="gpu", batch_size=32, concurrency=1, max_concurrent_batches=12, max_num_seqs=256, max_model_len=4096,
     max_pixels=448 * 448, cpu_stage_cpus=1.0, map_cpus=0.5, engine_cpus=2.0, engine_gpus=1,
     tokenize_in_ray=True,
     # max_num_batched_tokens: vLLM's default depends on who builds the engine - 16384 on an H100 for
@@ -72,6 +76,8 @@ GPU = Preset(
     engine_kwargs={"enable_prefix_caching": True, "enable_chunked_prefill": True, "gpu_memory_utilization": 0.9,
                    "mm_processor_cache_gb": 0, "max_num_batched_tokens": 16384},
     cpu_stage_concurrency=4, max_engines_per_gpu=4, kv_cache_bytes=4 * 2**30, engine_overhead_bytes=4 * 2**30,
+    # 12 batches of 32 per engine: max_num_seqs running plus half as many waiting, and no more (see above).
+    max_tasks_in_flight_per_actor=12,
 )
 PRESETS = {"cpu": CPU, "gpu": GPU}
 
@@ -116,7 +122,19 @@ def engines_per_gpu(preset: Preset, weight_bytes: int | None, gpu_memory_bytes: 
 
 
 def local_gpu_memory_bytes() -> int | None:
-    """Memory of this machine's first GPU (None without one)."""
+    """Memory of this machine's first GPU (None without one), read through NVML where it is installed so
+    that the driver process does not open a CUDA context of its own (it would hold GPU memory all run)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            if pynvml.nvmlDeviceGetCount() > 0:
+                return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        pass
     try:
         import torch
 

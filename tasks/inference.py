@@ -34,6 +34,7 @@ from captionflow.retry import retry_transient
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from captionflow.config import RunConfig
+from captionflow.cuda_mps import ensure_mps
 from captionflow.fingerprint import digest
 from captionflow.images import data_url
 from captionflow.model_source import ResolvedModel
@@ -79,6 +80,9 @@ def run_paths(cfg: RunConfig, dataset_fp: str, model_fp: str) -> tuple[str, ...]
     return ("runs", dataset_fp, model_fp, digest(cfg.generation_params()))
 
 
+_LOCAL_RAY: dict[str, bool] = {}  # "started": this process started the Ray it uses
+
+
 def init_ray(cfg: RunConfig) -> None:
     """Connect to ``ray_address`` / RAY_ADDRESS, else start a local Ray sized for the pipeline."""
     import ray
@@ -100,6 +104,7 @@ def init_ray(cfg: RunConfig) -> None:
         engines = cfg.concurrency or hint.concurrency * (cfg.engines_per_gpu or hint.max_engines_per_gpu)
         ray.init(num_cpus=local_ray_cpus(hint, engines, cfg.ray_num_cpus),
                  include_dashboard=False, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=False)
+        _LOCAL_RAY["started"] = True
 
 
 def choose_preset(cfg: RunConfig) -> Preset:
@@ -159,17 +164,21 @@ def engine_layout(cfg: RunConfig, model: ResolvedModel, preset: Preset) -> dict[
 
     if preset.engine_gpus == 0:
         return {"concurrency": cfg.concurrency or preset.concurrency, "engines_per_gpu": 1, "gpu_share": 0.0,
-                "engine_kwargs": {}}
+                "engine_kwargs": {}, "env": {}}
     gpu_mem = int(cfg.gpu_memory_gib * 2**30) if cfg.gpu_memory_gib else (local_gpu_memory_bytes() or 80 * 2**30)
     k = engines_per_gpu(preset, model_weight_bytes(model.path), gpu_mem, cfg.tensor_parallel_size, cfg.engines_per_gpu)
     gpus = int(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0
     concurrency = cfg.concurrency or max(1, gpus // cfg.tensor_parallel_size) * k
     kwargs: dict[str, Any] = {}
+    env: dict[str, str] = {}
     if k > 1:
         # Each engine checks at start that its share of the GPU is free, and gets a fixed KV cache
         # instead of profiling "the rest of the GPU" (which the other engines are filling meanwhile).
         kwargs = {"gpu_memory_utilization": round(0.9 / k, 3), "kv_cache_memory_bytes": preset.kv_cache_bytes}
-    return {"concurrency": concurrency, "engines_per_gpu": k, "gpu_share": 1.0 / k, "engine_kwargs": kwargs}
+        if _LOCAL_RAY.get("started"):  # the GPUs are this machine's: run the engines under CUDA MPS
+            env = ensure_mps(cfg.cuda_mps)
+    return {"concurrency": concurrency, "engines_per_gpu": k, "gpu_share": 1.0 / k, "engine_kwargs": kwargs,
+            "env": env}
 
 
 def build_vlm_processor(cfg: RunConfig, model: ResolvedModel, preset: Preset, preprocess, postprocess):
@@ -204,16 +213,19 @@ def build_vlm_processor(cfg: RunConfig, model: ResolvedModel, preset: Preset, pr
             extra["placement_group_config"] = {"bundles": [{"CPU": preset.engine_cpus, "GPU": layout["gpu_share"]}]}
         # Start every replica at once: an engine takes a minute to start, too slow to autoscale into.
         concurrency = (concurrency, concurrency)
+    max_batches = cfg.max_concurrent_batches or preset.max_concurrent_batches
+    if preset.max_tasks_in_flight_per_actor:
+        extra["max_tasks_in_flight_per_actor"] = max(preset.max_tasks_in_flight_per_actor, max_batches)
     config = vLLMEngineProcessorConfig(
         model_source=model.path,
         engine_kwargs=engine_kwargs,
         batch_size=cfg.batch_size or preset.batch_size,
         concurrency=concurrency,
-        max_concurrent_batches=cfg.max_concurrent_batches or preset.max_concurrent_batches,
+        max_concurrent_batches=max_batches,
         accelerator_type=cfg.accelerator_type,
         should_continue_on_error=True,
         log_engine_metrics=False,
-        runtime_env={"env_vars": WORKER_ENV},
+        runtime_env={"env_vars": {**WORKER_ENV, **layout["env"]}},
         prepare_multimodal_stage={**cpu_stage, "model_config_kwargs": {"limit_mm_per_prompt": {"image": 1, "video": 0}}},
         chat_template_stage=cpu_stage,
         tokenize_stage={**cpu_stage, "enabled": preset.tokenize_in_ray},
