@@ -251,7 +251,7 @@ def phase_raw(a: argparse.Namespace) -> dict:
             pass
 
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(inputs, sp, use_tqdm=Recorder, mm_processor_kwargs={"max_pixels": a.max_pixels})
+    outs = llm.generate(inputs, sp, use_tqdm=Recorder)  # max_pixels: set for the engine above, as in B and C
     t_end = time.time()
     out_tok = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tok = sum(len(o.prompt_token_ids) for o in outs) / len(outs)

@@ -126,13 +126,12 @@ def image_messages(system_prompt: str, image: bytes, text: str) -> list[dict]:
     ]
 
 
-def _make_request(row: dict, *, system_prompt: str, prompt: str, sampling: dict, mm_kwargs: dict,
-                  fail_ids: frozenset) -> dict:
+def _make_request(row: dict, *, system_prompt: str, prompt: str, sampling: dict, fail_ids: frozenset) -> dict:
     params = dict(sampling)
     if row["image_id"] in fail_ids:
         params["temperature"] = -1.0  # rejected by vLLM's SamplingParams validation
     return {"image_id": row["image_id"], "messages": image_messages(system_prompt, row["image"], prompt),
-            "sampling_params": params, "mm_processor_kwargs": mm_kwargs}
+            "sampling_params": params}
 
 
 def _to_caption(row: dict, *, max_tokens: int, model_fp: str, attempt: int) -> dict:
@@ -195,7 +194,10 @@ def build_vlm_processor(cfg: RunConfig, model: ResolvedModel, preset: Preset, pr
         "max_num_seqs": cfg.max_num_seqs or preset.max_num_seqs,
         "max_model_len": cfg.max_model_len or preset.max_model_len,
         "limit_mm_per_prompt": {"image": 1, "video": 0},
-        # the engine's default image budget: also what its start-up memory profile assumes per image
+        # the image budget, set once for the engine (also what its start-up memory profile assumes per
+        # image) and never per request: on the GPU host (vLLM 0.26) requests arriving as token ids with
+        # their own processor kwargs rebuilt the HF processor, tokenizer included, for every image
+        # (py-spy: 83% of the engine actor's input processing; README, GPU benchmark)
         "mm_processor_kwargs": {"max_pixels": cfg.max_pixels or preset.max_pixels},
         "tensor_parallel_size": cfg.tensor_parallel_size,
         **preset.engine_kwargs,
@@ -241,11 +243,10 @@ def build_caption_processor(cfg: RunConfig, model: ResolvedModel, preset: Preset
                             fail_ids: frozenset = frozenset()):
     sampling = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
                 "ignore_eos": cfg.ignore_eos}
-    mm_kwargs = {"max_pixels": cfg.max_pixels or preset.max_pixels}
     return build_vlm_processor(
         cfg, model, preset,
         preprocess=functools.partial(_make_request, system_prompt=cfg.system_prompt, prompt=cfg.prompt,
-                                     sampling=sampling, mm_kwargs=mm_kwargs, fail_ids=fail_ids),
+                                     sampling=sampling, fail_ids=fail_ids),
         postprocess=functools.partial(_to_caption, max_tokens=cfg.max_tokens, model_fp=model.fingerprint,
                                       attempt=attempt),
     )

@@ -42,10 +42,10 @@ def judge_prompt(caption: str, references: list[str]) -> str:
               'Answer as {"score": <1-5>, "reason": "<short reason>"}.')
 
 
-def _judge_request(row: dict, *, captions: dict, sampling: dict, mm_kwargs: dict) -> dict:
+def _judge_request(row: dict, *, captions: dict, sampling: dict) -> dict:
     text = judge_prompt(captions[row["image_id"]], list(row.get("references") or []))
     return {"image_id": row["image_id"], "messages": image_messages(JUDGE_SYSTEM, row["image"], text),
-            "sampling_params": sampling, "mm_processor_kwargs": mm_kwargs}
+            "sampling_params": sampling}
 
 
 def parse_judgement(text: str) -> tuple[int, str]:
@@ -103,8 +103,7 @@ def run_judge(cfg: RunConfig, manifest: dict, inference: dict, judge: ResolvedMo
                     "structured_outputs": {"regex": JUDGE_REGEX}}
         processor = build_vlm_processor(
             cfg, judge, preset,
-            preprocess=functools.partial(_judge_request, captions=captions, sampling=sampling,
-                                         mm_kwargs={"max_pixels": cfg.max_pixels or preset.max_pixels}),
+            preprocess=functools.partial(_judge_request, captions=captions, sampling=sampling),
             postprocess=functools.partial(_judge_out, attempt=attempt),
         )
         out = processor(ds).map(functools.partial(_fixed, attempt=attempt), num_cpus=preset.map_cpus)
