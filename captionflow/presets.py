@@ -66,8 +66,8 @@ CPU = Preset(
 GPU = Preset(
     name="gpu", batch_size=32, concurrency=1, max_concurrent_batches=12, max_num_seqs=256, max_model_len=4096,
     max_pixels=448 * 448, cpu_stage_cpus=1.0, map_cpus=0.5, engine_cpus=2.0, engine_gpus=1,
-    # tokenize in the engine, from the chat-templated text: with token ids, vLLM 0.26 takes the "images
-    # only" processing path, where the profile showed the HF processor rebuilt for every request.
+    # tokenize in the engine, from the chat-templated text, as raw vLLM does: two fewer Ray actors per
+    # pipeline; tokenising is a small part of the engine's input processing (profile: README, GPU benchmark).
     tokenize_in_ray=False,
     # max_num_batched_tokens: vLLM's default depends on who builds the engine - 16384 on an H100 for
     # vllm.LLM, 2048 for the AsyncLLM that Ray Data LLM builds - so an image prompt (~300 tokens)

@@ -195,9 +195,8 @@ def build_vlm_processor(cfg: RunConfig, model: ResolvedModel, preset: Preset, pr
         "max_model_len": cfg.max_model_len or preset.max_model_len,
         "limit_mm_per_prompt": {"image": 1, "video": 0},
         # the image budget, set once for the engine (also what its start-up memory profile assumes per
-        # image) and never per request: on the GPU host (vLLM 0.26) requests arriving as token ids with
-        # their own processor kwargs rebuilt the HF processor, tokenizer included, for every image
-        # (py-spy: 83% of the engine actor's input processing; README, GPU benchmark)
+        # image) and not repeated per request. (On the GPU host, vLLM 0.26 rebuilt the HF processor for
+        # every request either way - py-spy, README "GPU benchmark" - a cache miss not fixed yet.)
         "mm_processor_kwargs": {"max_pixels": cfg.max_pixels or preset.max_pixels},
         "tensor_parallel_size": cfg.tensor_parallel_size,
         **preset.engine_kwargs,
