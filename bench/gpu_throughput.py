@@ -369,13 +369,9 @@ def run_phase(name: str, a: argparse.Namespace, sampler: GpuSampler) -> dict:
         cmd += ["--engines-per-gpu", str(a.engines_per_gpu)]
     t0 = time.time()
     log = Path(a.work) / f"phase-{name}.log"
-    env = dict(os.environ)
-    if name != "raw":  # e.g. CUDA MPS for several engines on one GPU: the pipeline's setup, not raw vLLM's
-        env.update(kv.split("=", 1) for kv in a.pipeline_env)
     try:
         with open(log, "w") as fh:
-            proc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=a.phase_timeout,
-                                  env=env)
+            proc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=a.phase_timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {a.phase_timeout} s", "log_tail": log.read_text(errors="replace")[-4000:],
                 "elapsed_s": round(time.time() - t0, 1)}
@@ -407,8 +403,6 @@ def main() -> int:
     ap.add_argument("--phase-timeout", type=float, default=900)
     ap.add_argument("--work", help="working folder (default: a new temporary one)")
     ap.add_argument("--json", help="results file (default bench/results/gpu_throughput-<gpu>.json)")
-    ap.add_argument("--pipeline-env", action="append", default=[], metavar="KEY=VALUE",
-                    help="environment for the stage and flow phases only (e.g. CUDA MPS's pipe directory)")
     ap.add_argument("--merge", action="store_true", help="keep the other phases already in --json")
     ap.add_argument("--child", choices=sorted(PHASES), help=argparse.SUPPRESS)
     a = ap.parse_args()
