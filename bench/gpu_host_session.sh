@@ -3,7 +3,7 @@
 # (/tmp/cf-repo); results and phase logs go to /tmp/cf-results as they are written:
 #   the benchmark (raw, stage, flow) with the GPU preset as it ships, the stage phase profiled by
 #   bench/gpu_profile.sh (py-spy: an engine actor and its EngineCore, once the engines are up).
-#   bench/gpu_host_session.sh PARTS_DIR        then wait for /tmp/final.done
+#   bench/gpu_host_session.sh PARTS_DIR        then wait for /tmp/final.done   (PROFILE=0: no py-spy)
 set -uo pipefail
 PARTS=${1:?parts folder}
 rm -rf /tmp/cf-repo /tmp/final.done && mkdir -p /tmp/cf-results && cp -r "$PWD" /tmp/cf-repo
@@ -11,7 +11,7 @@ cd /tmp/cf-repo || exit 1
 python3 -m pip install --no-index --no-deps --target /tmp/pyspy "$PARTS"/py_spy-*.whl > /dev/null 2>&1
 export PATH=/tmp/pyspy/bin:$PATH VLLM_LOG_STATS_INTERVAL=1
 setsid nohup bash -c "
-  (bash bench/gpu_profile.sh 'MapWorker[(]MapBatches[(]vLLMEngine' '/tmp/ray/session_latest/logs/worker-*.out' 12 25 /tmp/cf-results/stage-actor.folded &)
+  [ \"${PROFILE:-1}\" = 0 ] || (bash bench/gpu_profile.sh 'MapWorker[(]MapBatches[(]vLLMEngine' '/tmp/ray/session_latest/logs/worker-*.out' 12 25 /tmp/cf-results/stage-actor.folded &)
   BENCH_WORK=/tmp/cf-bench BENCH_JSON=/tmp/cf-results/gpu_throughput.json bash bench/gpu_host_run.sh '$PARTS' --phases raw,stage,flow --phase-timeout 400
   for f in /tmp/cf-bench/phase-*.log; do tail -c 2000000 \$f > /tmp/cf-results/\$(basename \$f); done
   touch /tmp/final.done" > /tmp/cf-results/final.log 2>&1 < /dev/null &

@@ -156,7 +156,7 @@ def engine_ready_times(since: float, ray_tmp: str = "/tmp/ray") -> list[float]:
 
 
 _ENGINE_LOG = re.compile(r"init engine|Available KV|GPU KV cache|Maximum concurrency|Avg prompt throughput|"
-                         r"Elapsed time for batch|max_num_batched_tokens|Model loading took|Error|error")
+                         r"Elapsed time for batch|max_num_batched_tokens|Model loading took|HF processor|Error|error")
 
 
 _BATCH_DONE = re.compile(r"Elapsed time for batch \S+ with size (\d+)")

@@ -33,6 +33,7 @@ from prefect import task
 from captionflow.retry import retry_transient
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
+from captionflow import vllm_warmup
 from captionflow.config import RunConfig
 from captionflow.cuda_mps import ensure_mps
 from captionflow.fingerprint import digest
@@ -92,8 +93,11 @@ def init_ray(cfg: RunConfig) -> None:
     for k, v in WORKER_ENV.items():
         os.environ.setdefault(k, v)
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+    # Every worker of this job runs the (import-triggered, otherwise no-op) vLLM processor pre-build
+    # hook: Ray does not run a setup hook given to a single actor's runtime_env.
+    runtime_env = {"env_vars": WORKER_ENV, "worker_process_setup_hook": vllm_warmup.SETUP_HOOK}
     if address:
-        ray.init(address=address, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=False)
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
     else:
         if cfg.device == "auto":
             import torch
@@ -103,7 +107,7 @@ def init_ray(cfg: RunConfig) -> None:
             hint = PRESETS[cfg.device]
         engines = cfg.concurrency or hint.concurrency * (cfg.engines_per_gpu or hint.max_engines_per_gpu)
         ray.init(num_cpus=local_ray_cpus(hint, engines, cfg.ray_num_cpus),
-                 include_dashboard=False, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=False)
+                 include_dashboard=False, runtime_env=runtime_env, log_to_driver=False)
         _LOCAL_RAY["started"] = True
 
 
@@ -195,8 +199,7 @@ def build_vlm_processor(cfg: RunConfig, model: ResolvedModel, preset: Preset, pr
         "max_model_len": cfg.max_model_len or preset.max_model_len,
         "limit_mm_per_prompt": {"image": 1, "video": 0},
         # the image budget, set once for the engine (also what its start-up memory profile assumes per
-        # image) and not repeated per request. (On the GPU host, vLLM 0.26 rebuilt the HF processor for
-        # every request either way - py-spy, README "GPU benchmark" - a cache miss not fixed yet.)
+        # image) and not repeated per request
         "mm_processor_kwargs": {"max_pixels": cfg.max_pixels or preset.max_pixels},
         "tensor_parallel_size": cfg.tensor_parallel_size,
         **preset.engine_kwargs,
