@@ -17,8 +17,10 @@ Each phase runs in its own process (the GPU is free between them) while this pro
 utilisation and memory through NVML. Throughput is reported two ways:
   - steady (``images_per_s``): all images / (engine ready -> last result), so start-up is left
     out and the pipeline's fill is kept. A: from ``LLM()`` returning (then every image is decoded
-    in-process and ``generate()`` runs). B, C: from the first engine's "init engine ... took" log
-    line in the Ray workers' logs (whole seconds, so up to 1 s early: against B and C);
+    in-process and ``generate()`` runs). B, C: from the moment the first engine front end can take
+    requests (the "vLLM engine accepting requests at" line captionflow's worker hook writes, Unix
+    time); also ``images_per_s_from_engine_log``, from the engine core's earlier "init engine ...
+    took" line (the basis before 2026-11-23; 5-8 s earlier, against B and C);
   - wall (``images_per_s_wall``): images / (phase start -> last result; C: -> process exit),
     start-up included (vLLM import, engine load and compile, Ray, Prefect), which N=2,000 does
     not amortise.
@@ -179,17 +181,41 @@ def save_engine_logs(dest: Path, ray_tmp: str = "/tmp/ray") -> dict[str, int]:
     return rows
 
 
+def engine_accepting_times(since: float, ray_tmp: str = "/tmp/ray") -> list[float]:
+    """When each engine front end (AsyncLLM) of the newest local Ray session was ready to take
+    requests: captionflow's worker hook logs it with the Unix time (captionflow/vllm_warmup.py)."""
+    from captionflow.vllm_warmup import ACCEPTING
+
+    times = []
+    for f in _worker_logs(ray_tmp):
+        with open(f, errors="replace") as fh:
+            for line in fh:
+                if ACCEPTING in line:
+                    t = float(line.rsplit(ACCEPTING, 1)[1].split()[0])
+                    if t >= since:
+                        times.append(t)
+    return sorted(times)
+
+
 def pipeline_rates(n: int, t_start: float, stamps: list[tuple[float, int]], out_tok: int) -> dict:
-    """B and C: the steady window starts when the first engine is ready (Ray worker logs), so it holds
-    every image and the pipeline's fill; without those logs, at the first committed shard."""
-    ready = engine_ready_times(t_start)
-    if ready:
-        r = rates(n, t_start, stamps[0][0], stamps[-1][0], ready[0], n, out_tok)
-        r["engines_ready_after_s"] = [round(t - t_start, 1) for t in ready]
-        r["steady_from"] = "first engine ready"
-    else:
+    """B and C: the steady window starts when the first engine front end can take requests (as A's
+    starts when ``LLM()`` returns), so it holds every image and the pipeline's fill. Also given:
+    ``images_per_s_from_engine_log``, from the first engine core's "init engine ... took" line, which
+    comes 5-8 s earlier (the engine core then still loads the HF processor before it answers). Without
+    either log line, from the first committed shard."""
+    ready, accepting = engine_ready_times(t_start), engine_accepting_times(t_start)
+    t0 = accepting[0] if accepting else ready[0] if ready else None
+    if t0 is None:
         r = rates(n, t_start, stamps[0][0], stamps[-1][0], stamps[0][0], n - stamps[0][1], out_tok)
         r["steady_from"] = "first committed shard (no engine log found)"
+        return r
+    r = rates(n, t_start, stamps[0][0], stamps[-1][0], t0, n, out_tok)
+    r["steady_from"] = "first engine accepting requests" if accepting else "first engine ready (init engine log)"
+    if ready:
+        r["engines_ready_after_s"] = [round(t - t_start, 1) for t in ready]
+        r["images_per_s_from_engine_log"] = round(n / max(stamps[-1][0] - ready[0], 1e-9), 2)
+    if accepting:
+        r["engines_accepting_after_s"] = [round(t - t_start, 1) for t in accepting]
     return r
 
 
@@ -440,13 +466,16 @@ def main() -> int:
 
 def _finish(results: dict) -> None:
     raw = results.get("raw") or {}
-    ratios, wall = {}, {}
+    ratios, wall, log_basis = {}, {}, {}
     for key, name in (("stage_vs_raw", "stage"), ("flow_vs_raw", "flow")):
         other = results.get(name) or {}
         if raw.get("images_per_s") and other.get("images_per_s"):
             ratios[key] = round(other["images_per_s"] / raw["images_per_s"], 3)
             wall[key] = round(other["images_per_s_wall"] / raw["images_per_s_wall"], 3)
+            if other.get("images_per_s_from_engine_log"):
+                log_basis[key] = round(other["images_per_s_from_engine_log"] / raw["images_per_s"], 3)
     results["ratios"], results["ratios_wall"] = ratios, wall
+    results["ratios_from_engine_log"] = log_basis
     results["ratio_basis"] = "steady-state images/s (first to last result); ratios_wall include start-up"
 
 
