@@ -1,8 +1,9 @@
-"""Diagnostic: does vLLM rebuild the HF processor per request, and which cache key changes?
+"""Diagnostic: when does vLLM build the HF processor (processor-cache misses), and with which key?
 
-py-spy on the GPU host showed vLLM 0.26's front end calling ``ProcessorMixin.from_pretrained``
-for every image inside ``cached_get_processor_without_dynamic_kwargs`` (an lru_cache miss). This
-script sends N image requests the way Ray Data LLM's engine stage does (messages parsed by
+py-spy on the GPU host showed vLLM 0.26's front end in ``ProcessorMixin.from_pretrained`` inside
+``cached_get_processor_without_dynamic_kwargs`` (an lru_cache miss) while serving requests; counted
+with this script, it is one build at the first request (the renderer's tokenizer copy is part of the
+key), which captionflow/vllm_warmup.py now moves into start-up. This script sends N image requests the way Ray Data LLM's engine stage does (messages parsed by
 ``parse_chat_messages_async`` with data: URLs, the chat template applied, ``AsyncLLM.generate``
 with ``TextPrompt``, N requests in flight at once) and, with ``--sync``, through ``LLM.generate``
 as a plain script does. It wraps ``vllm.transformers_utils.processor.cached_get_processor`` to record
