@@ -93,6 +93,9 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: wraps the real loader of each module in PATCHES so that its patch runs
     right after the module has executed."""
 
+    def __init__(self):
+        self.seen: set[str] = set()
+
     def find_spec(self, name, path=None, target=None):
         if name not in PATCHES or name in self.seen:
             return None
@@ -111,9 +114,6 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         spec.loader.exec_module = exec_and_patch
         return spec
-
-    def __init__(self):
-        self.seen: set[str] = set()
 
 
 def install() -> None:
