@@ -141,20 +141,35 @@ def _worker_logs(ray_tmp: str) -> list[Path]:
 _READY = re.compile(r"(\d\d)-(\d\d) (\d\d:\d\d:\d\d) \[core\.py:\d+\] init engine \(profile")
 
 
-def engine_ready_times(since: float, ray_tmp: str = "/tmp/ray") -> list[float]:
-    """When each vLLM engine of the newest local Ray session finished starting (its "init engine ...
-    took" log line, whole seconds, local time), from the workers' log files."""
-    year = time.localtime().tm_year
+def _logged_times(parse, since: float, ray_tmp: str) -> list[float]:
+    """The times ``parse(line)`` finds (None: not such a line) in the workers' log files of the
+    newest local Ray session, from ``since`` on, sorted."""
     times = []
     for f in _worker_logs(ray_tmp):
         with open(f, errors="replace") as fh:
-            for line in fh:
-                m = _READY.search(line)
-                if m:
-                    t = time.mktime(time.strptime(f"{year}-{m[1]}-{m[2]} {m[3]}", "%Y-%m-%d %H:%M:%S"))
-                    if t >= since - 1:
-                        times.append(t)
+            times += [t for t in map(parse, fh) if t is not None and t >= since]
     return sorted(times)
+
+
+def engine_ready_times(since: float, ray_tmp: str = "/tmp/ray") -> list[float]:
+    """When each vLLM engine core finished starting: its "init engine ... took" line (whole seconds,
+    local time, so up to 1 s early)."""
+    year = time.localtime().tm_year
+
+    def parse(line: str) -> float | None:
+        m = _READY.search(line)
+        return time.mktime(time.strptime(f"{year}-{m[1]}-{m[2]} {m[3]}", "%Y-%m-%d %H:%M:%S")) if m else None
+
+    return _logged_times(parse, since - 1, ray_tmp)
+
+
+def engine_accepting_times(since: float, ray_tmp: str = "/tmp/ray") -> list[float]:
+    """When each engine front end (AsyncLLM) was ready to take requests: captionflow's worker hook
+    logs it with the Unix time (captionflow/vllm_warmup.py)."""
+    from captionflow.vllm_warmup import ACCEPTING
+
+    return _logged_times(lambda line: float(line.rsplit(ACCEPTING, 1)[1].split()[0]) if ACCEPTING in line else None,
+                         since, ray_tmp)
 
 
 _ENGINE_LOG = re.compile(r"init engine|Available KV|GPU KV cache|Maximum concurrency|Avg prompt throughput|"
@@ -179,22 +194,6 @@ def save_engine_logs(dest: Path, ray_tmp: str = "/tmp/ray") -> dict[str, int]:
                         pid = f.stem.rsplit("-", 1)[-1]
                         rows[pid] = rows.get(pid, 0) + int(m[1])
     return rows
-
-
-def engine_accepting_times(since: float, ray_tmp: str = "/tmp/ray") -> list[float]:
-    """When each engine front end (AsyncLLM) of the newest local Ray session was ready to take
-    requests: captionflow's worker hook logs it with the Unix time (captionflow/vllm_warmup.py)."""
-    from captionflow.vllm_warmup import ACCEPTING
-
-    times = []
-    for f in _worker_logs(ray_tmp):
-        with open(f, errors="replace") as fh:
-            for line in fh:
-                if ACCEPTING in line:
-                    t = float(line.rsplit(ACCEPTING, 1)[1].split()[0])
-                    if t >= since:
-                        times.append(t)
-    return sorted(times)
 
 
 def pipeline_rates(n: int, t_start: float, stamps: list[tuple[float, int]], out_tok: int) -> dict:
