@@ -88,16 +88,13 @@ def summarise(rec: dict) -> dict:
 
 
 def images(n: int) -> list[bytes]:
-    import numpy as np
-    from PIL import Image
+    """The GPU benchmark's synthetic 640x480 JPEGs (bench/synthetic.py), as bytes."""
+    import tempfile
 
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(n):
-        buf = io.BytesIO()
-        Image.fromarray(rng.integers(0, 255, (480, 640, 3), dtype=np.uint8)).save(buf, "JPEG", quality=85)
-        out.append(buf.getvalue())
-    return out
+    from bench.synthetic import make_images
+
+    with tempfile.TemporaryDirectory() as d:
+        return [f.read_bytes() for f in sorted(make_images(Path(d), n).iterdir())]
 
 
 def engine_kwargs(a) -> dict:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU host: bench/diag_processor_cache.py with the Qwen2.5-VL-3B stand-in (dummy weights) and
 # the GPU preset's engine kwargs, through AsyncLLM (as Ray Data LLM's engine stage) and LLM (a script).
-#   bench/gpu_host_diag.sh PARTS_DIR [N]      results: $OUT/diag-async.json, $OUT/diag-sync.json
+# Then the stage phase of bench/gpu_throughput.py (N images) with bench/diag_site/ on every worker's path.
+#   bench/gpu_host_diag.sh PARTS_DIR [N]      results: $OUT/diag-{async,sync}.json, $OUT/diag-stage.tgz
+#   MODES="async" (or "") picks the direct runs; STAGE=0 skips the stage run.
 set -uo pipefail
 PARTS=${1:?parts folder}
 N=${2:-200}
