@@ -24,7 +24,8 @@ utilisation and memory through NVML. Throughput is reported two ways:
   - wall (``images_per_s_wall``): images / (phase start -> last result; C: -> process exit),
     start-up included (vLLM import, engine load and compile, Ray, Prefect), which N=2,000 does
     not amortise.
-``ratios`` (the headline) are steady ratios; ``ratios_wall`` include start-up.
+``ratios`` (the headline) are steady ratios; ``ratios_wall`` include start-up; ``per_gpu_vs_seed``
+is each phase's steady images/s per GPU over the seeds' 6.3.
 
     python bench/gpu_throughput.py                 # N=2000, all three phases
     python bench/gpu_throughput.py --n 500 --phases raw,stage
@@ -46,6 +47,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SEED_IMAGES_PER_S_PER_GPU = 6.3  # the seeds' headline (issue #7): 12.6 images/s on 2 GPUs, Qwen2.5-VL-3B
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout
 
 SYSTEM_PROMPT = "You are a helpful assistant that writes short, factual image captions."
@@ -474,6 +476,9 @@ def _finish(results: dict) -> None:
             if other.get("images_per_s_from_engine_log"):
                 log_basis[key] = round(other["images_per_s_from_engine_log"] / raw["images_per_s"], 3)
     results["ratios"], results["ratios_wall"] = ratios, wall
+    gpus = max(1, len(results.get("device", "").split(", ")))
+    results["per_gpu_vs_seed"] = {name: round(results[name]["images_per_s"] / gpus / SEED_IMAGES_PER_S_PER_GPU, 2)
+                                  for name in ("raw", "stage", "flow") if (results.get(name) or {}).get("images_per_s")}
     results["ratios_from_engine_log"] = log_basis
     results["ratio_basis"] = "steady-state images/s (first to last result); ratios_wall include start-up"
 
@@ -499,7 +504,8 @@ def _table(results: dict) -> None:
     print(f"{'host CPU busy % (steady)':28}" + "".join(f"{results[c]['gpu_steady'].get('host_cpu_busy_pct')!s:>12}" for c in cols))
     print(f"{'GPU memory peak GiB':28}" + "".join(f"{results[c]['gpu_whole_phase']['gpu_mem_peak_gib']!s:>12}" for c in cols))
     print(f"device: {results.get('device')}  n={results['n']}  ratios: {json.dumps(results.get('ratios'))}"
-          f"  incl. start-up: {json.dumps(results.get('ratios_wall'))}")
+          f"  incl. start-up: {json.dumps(results.get('ratios_wall'))}"
+          f"  per GPU vs the seed's {SEED_IMAGES_PER_S_PER_GPU} img/s: {json.dumps(results.get('per_gpu_vs_seed'))}")
 
 
 if __name__ == "__main__":

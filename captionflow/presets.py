@@ -19,7 +19,8 @@ own fixed KV cache), which spreads input processing over k processes. k is chose
 model's weight size: as many engines as fit in 90% of the GPU's memory, at most
 ``max_engines_per_gpu``; ``engines_per_gpu`` overrides it. Measured on an H100 (README, GPU
 benchmark): 4 engines under CUDA MPS, all fed, with the HF processor pre-built while they start
-(captionflow/vllm_warmup.py), gave 86.6 images/s with the GPU 82% busy - 2.7x raw vLLM.
+(captionflow/vllm_warmup.py), gave 85 images/s (stage) and 82.5 (whole flow) with the GPU ~80% busy,
+2.2x raw vLLM, at the preset's 448x448 pixel budget; 209-220 images/s (3.0-3.2x raw) at 224x224.
 """
 
 from __future__ import annotations
