@@ -47,8 +47,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SEED_IMAGES_PER_S_PER_GPU = 6.3  # the seeds' headline (issue #7): 12.6 images/s on 2 GPUs, Qwen2.5-VL-3B
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout
+SEED_IMAGES_PER_S_PER_GPU = 6.3  # the seeds' headline (issue #7): 12.6 images/s on 2 GPUs, Qwen2.5-VL-3B
 
 SYSTEM_PROMPT = "You are a helpful assistant that writes short, factual image captions."
 PROMPT = "Describe this image in one sentence."
