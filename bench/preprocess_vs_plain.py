@@ -2,7 +2,9 @@
 
 Both do the same work per image: read, decode, check, normalise (RGB, EXIF, bound the long side
 to 448 px), JPEG-encode. Each side runs in its own subprocess so that its peak memory is its own
-(the pipeline's is the sum over the driver and every Ray process, sampled every 0.2 s).
+(the pipeline's is the sum over the driver and every Ray process, sampled every 0.2 s). The
+pipeline side also records when the first batch of results reaches the stage's driver loop
+(``first_result_s``: Ray Data's and the workers' start-up plus one task) and the rate after it.
 
     python bench/preprocess_vs_plain.py --n 2000 20000
 
@@ -62,14 +64,30 @@ def side_pipeline(images: str, out: str) -> dict:
     from tasks.ingest import ingest
     from tasks.preprocess import preprocess
 
+    import ray.data
+
     cfg = RunConfig(dataset=images, output=out, device="cpu")
     t0 = time.perf_counter()
     init_ray(cfg)
     t_ray = time.perf_counter() - t0
+    # when each batch of results reaches the stage's driver loop: start-up vs. steady rate
+    arrivals: list[tuple[float, int]] = []
+    iter_batches = ray.data.Dataset.iter_batches
+
+    def timed_iter_batches(self, *args, **kwargs):
+        for batch in iter_batches(self, *args, **kwargs):
+            arrivals.append((time.perf_counter(), batch.num_rows))
+            yield batch
+
+    ray.data.Dataset.iter_batches = timed_iter_batches
     t1 = time.perf_counter()
     m = preprocess(ingest(cfg), cfg)
-    return {"seconds": time.perf_counter() - t1, "ray_init_s": t_ray, "images": m["counts"]["listed"],
-            "accepted": m["counts"]["accepted"], "cores": os.cpu_count()}
+    seconds = time.perf_counter() - t1
+    cores = os.cpu_count()
+    after_first = sum(n for _, n in arrivals[1:]) / max(1e-9, arrivals[-1][0] - arrivals[0][0]) / cores
+    return {"seconds": seconds, "ray_init_s": t_ray, "images": m["counts"]["listed"],
+            "accepted": m["counts"]["accepted"], "cores": cores, "first_result_s": round(arrivals[0][0] - t1, 2),
+            "first_batch_rows": arrivals[0][1], "img_s_per_core_after_first_result": round(after_first, 1)}
 
 
 def run_side(side: str, images: str, out: str) -> dict:
@@ -114,10 +132,12 @@ def main() -> int:
     if len(results["runs"]) >= 2:
         results["rss_ratio_largest_vs_smallest"] = round(
             results["runs"][-1]["pipeline_peak_rss_mb"] / results["runs"][0]["pipeline_peak_rss_mb"], 3)
-    print(f"{'N':>7} {'plain img/s/core':>17} {'pipeline img/s/core':>20} {'ratio':>6} {'plain RSS MB':>13} {'pipeline RSS MB':>16}")
+    print(f"{'N':>7} {'plain img/s/core':>17} {'pipeline img/s/core':>20} {'ratio':>6} {'plain RSS MB':>13}"
+          f" {'pipeline RSS MB':>16} {'first result s':>15} {'after it img/s/core':>20}")
     for r in results["runs"]:
         print(f"{r['n']:>7} {r['plain_img_s_per_core']:>17} {r['pipeline_img_s_per_core']:>20} {r['ratio_per_core']:>6}"
-              f" {r['plain_peak_rss_mb']:>13} {r['pipeline_peak_rss_mb']:>16}")
+              f" {r['plain_peak_rss_mb']:>13} {r['pipeline_peak_rss_mb']:>16} {r['pipeline']['first_result_s']:>15}"
+              f" {r['pipeline']['img_s_per_core_after_first_result']:>20}")
     if "rss_ratio_largest_vs_smallest" in results:
         print("pipeline peak RSS, largest N / smallest N:", results["rss_ratio_largest_vs_smallest"])
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
