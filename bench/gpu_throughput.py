@@ -24,8 +24,14 @@ utilisation and memory through NVML. Throughput is reported two ways:
   - wall (``images_per_s_wall``): images / (phase start -> last result; C: -> process exit),
     start-up included (vLLM import, engine load and compile, Ray, Prefect), which N=2,000 does
     not amortise.
+  - between 10% and 90% of the results (``images_per_s_10_90``, GPU figures in ``gpu_10_90``): the
+    pipeline's steady state proper, without its fill (the first decode wave) and its drain (the
+    last engine finishing its queue). For A this window comes after every input was processed and
+    queued (``generate`` adds them all before it collects outputs), so it shows one engine draining
+    a full queue, the GPU-side ceiling of raw vLLM, not a rate a script sustains.
 ``ratios`` (the headline) are steady ratios; ``ratios_wall`` include start-up; ``per_gpu_vs_seed``
-is each phase's steady images/s per GPU over the seeds' 6.3.
+is each phase's steady images/s per GPU over the seeds' 6.3. ``gpu_trace`` keeps each phase's GPU
+busy %, GPU memory and host CPU busy % second by second.
 
     python bench/gpu_throughput.py                 # N=2000, all three phases
     python bench/gpu_throughput.py --n 500 --phases raw,stage
@@ -95,6 +101,17 @@ class GpuSampler:
         self._stop.set()
         self._thread.join()
 
+    def trace(self, t0: float, t1: float, step: float = 1.0) -> list[list[float]]:
+        """[seconds since t0, GPU busy %, GPU memory GiB, host CPU busy %], one row per ``step`` seconds
+        (means over the samples in each step): the phase's utilisation over time, for the JSON."""
+        rows: dict[int, list] = {}
+        for t, util, mem, cpu in self.samples:
+            if t0 <= t <= t1 and util is not None:
+                rows.setdefault(int((t - t0) // step), []).append((util, mem, cpu))
+        return [[round(k * step, 1), round(sum(x[0] for x in v) / len(v), 1),
+                 round(max(x[1] for x in v) / 2**30, 2), round(sum(x[2] for x in v) / len(v), 1)]
+                for k, v in sorted(rows.items())]
+
     def window(self, t0: float, t1: float) -> dict:
         s = [x for x in self.samples if t0 <= x[0] <= t1]
         if not s:
@@ -105,11 +122,33 @@ class GpuSampler:
                 "host_cpu_busy_pct": round(sum(x[3] for x in s) / len(s), 1), "samples": len(s)}
 
 
+def mid_window(finished: list[tuple[float, int]], n: int, lo: float = 0.1, hi: float = 0.9) -> tuple[float, float]:
+    """When ``lo`` and ``hi`` of the ``n`` results had arrived (``finished``: sorted (time, rows)): the
+    pipeline's steady state, after its fill (engines starting, the first decode wave) and before its
+    drain (the last engine finishing its queue)."""
+    t_lo = t_hi = finished[-1][0]
+    done = 0
+    for t, k in finished:
+        before, done = done, done + k
+        if before < lo * n <= done:
+            t_lo = t
+        if before < hi * n <= done:
+            t_hi = t
+    return t_lo, t_hi
+
+
 def rates(n: int, t_start: float, t_first: float, t_last: float, t_steady: float, n_steady: int,
-          out_tokens: int) -> dict:
-    """Rates of one phase: ``n_steady`` images finished in (t_steady, t_last]; wall from t_start."""
+          out_tokens: int, finished: list[tuple[float, int]] | None = None) -> dict:
+    """Rates of one phase: ``n_steady`` images finished in (t_steady, t_last]; wall from t_start.
+    With ``finished`` (sorted (time, rows) of every result), also the rate between 10% and 90% of
+    the results (``images_per_s_10_90``, window ``t10``-``t90``)."""
     steady_s = t_last - t_steady
-    return {
+    mid = {}
+    if finished:
+        t10, t90 = mid_window(finished, n)
+        if t90 > t10:
+            mid = {"t10": t10, "t90": t90, "images_per_s_10_90": round(0.8 * n / (t90 - t10), 2)}
+    return {**mid,
         "images": n, "start_to_first_result_s": round(t_first - t_start, 2), "wall_s": round(t_last - t_start, 2),
         "images_per_s": round(n_steady / steady_s, 2) if steady_s > 0 else None,
         "images_per_s_wall": round(n / (t_last - t_start), 2),
@@ -207,10 +246,10 @@ def pipeline_rates(n: int, t_start: float, stamps: list[tuple[float, int]], out_
     ready, accepting = engine_ready_times(t_start), engine_accepting_times(t_start)
     t0 = accepting[0] if accepting else ready[0] if ready else None
     if t0 is None:
-        r = rates(n, t_start, stamps[0][0], stamps[-1][0], stamps[0][0], n - stamps[0][1], out_tok)
+        r = rates(n, t_start, stamps[0][0], stamps[-1][0], stamps[0][0], n - stamps[0][1], out_tok, stamps)
         r["steady_from"] = "first committed shard (no engine log found)"
         return r
-    r = rates(n, t_start, stamps[0][0], stamps[-1][0], t0, n, out_tok)
+    r = rates(n, t_start, stamps[0][0], stamps[-1][0], t0, n, out_tok, stamps)
     r["steady_from"] = "first engine accepting requests" if accepting else "first engine ready (init engine log)"
     if ready:
         r["engines_ready_after_s"] = [round(t - t_start, 1) for t in ready]
@@ -286,7 +325,7 @@ def phase_raw(a: argparse.Namespace) -> dict:
     # output, so "first result to last" is not observable here: A's steady window is its whole
     # working time once the engine is up (decode, image processing and generation).
     t_first = min(finished) if finished else t_end
-    r = rates(len(outs), t_start, t_first, t_end, t_engine, len(outs), out_tok)
+    r = rates(len(outs), t_start, t_first, t_end, t_engine, len(outs), out_tok, [(t, 1) for t in sorted(finished)])
     r.update({"import_s": round(t_import - t_start, 2), "engine_start_s": round(t_engine - t_import, 2),
               "mean_input_tokens": round(in_tok, 1), "output_tokens": out_tok, "engine_kwargs": kwargs})
     return r
@@ -296,7 +335,7 @@ def phase_raw(a: argparse.Namespace) -> dict:
 def _run_config(a: argparse.Namespace, output: str):
     from captionflow.config import RunConfig
 
-    extra = {"engines_per_gpu": a.engines_per_gpu} if a.engines_per_gpu else {}
+    extra = {**json.loads(a.pipeline_config), **({"engines_per_gpu": a.engines_per_gpu} if a.engines_per_gpu else {})}
     return RunConfig(dataset=a.images, output=output, model=a.model, device=a.device, max_tokens=a.max_tokens,
                      cuda_mps=a.cuda_mps,
                      ignore_eos=True, max_pixels=a.max_pixels, max_image_side=a.max_image_side,
@@ -318,8 +357,19 @@ def phase_stage(a: argparse.Namespace) -> dict:
     from captionflow.presets import PRESETS
 
     layout = engine_layout(cfg, model, PRESETS[a.device])
+    import ray.data
+
+    consumed = []  # the dataset(s) the stage's driver loop reads: their Ray Data stats go to a log
+    iter_rows = ray.data.Dataset.iter_rows
+
+    def recording_iter_rows(self, *args, **kwargs):
+        consumed.append(self)
+        return iter_rows(self, *args, **kwargs)
+
+    ray.data.Dataset.iter_rows = recording_iter_rows
     t_start = time.time()
     res = run_inference(cfg, manifest, model)
+    Path(a.work, "phase-stage-datastats.log").write_text("\n\n".join(d.stats() for d in consumed))
     stamps, out_tok, in_tok = commit_times(res["run_dir"])
     r = pipeline_rates(res["captioned"], t_start, stamps, out_tok)
     r["rows_per_engine"] = sorted(save_engine_logs(Path(a.work) / "phase-stage-engines.log").values())
@@ -341,6 +391,10 @@ def phase_flow(a: argparse.Namespace) -> dict:
            "--commit-rows", "32", "--summary-json", str(summary), "--cuda-mps", a.cuda_mps]
     if a.engines_per_gpu:
         cmd += ["--engines-per-gpu", str(a.engines_per_gpu)]
+    if json.loads(a.pipeline_config):  # a YAML config file (JSON is YAML); the options above win
+        extra = Path(a.work) / "flow-config.yaml"
+        extra.write_text(a.pipeline_config)
+        cmd += ["--config", str(extra)]
     t_start = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     t_end = time.time()
@@ -391,7 +445,8 @@ def run_phase(name: str, a: argparse.Namespace, sampler: GpuSampler) -> dict:
     res_file.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--child", name, "--device", a.device, "--work", a.work, "--images", a.images, "--model", a.model,
            "--max-tokens", str(a.max_tokens), "--max-pixels", str(a.max_pixels),
-           "--max-image-side", str(a.max_image_side), "--engine-kwargs", a.engine_kwargs, "--cuda-mps", a.cuda_mps]
+           "--max-image-side", str(a.max_image_side), "--engine-kwargs", a.engine_kwargs, "--cuda-mps", a.cuda_mps,
+           "--pipeline-config", a.pipeline_config]
     if a.engines_per_gpu:
         cmd += ["--engines-per-gpu", str(a.engines_per_gpu)]
     t0 = time.time()
@@ -407,7 +462,11 @@ def run_phase(name: str, a: argparse.Namespace, sampler: GpuSampler) -> dict:
         return {"error": f"exit {proc.returncode}", "log_tail": tail, "elapsed_s": round(time.time() - t0, 1)}
     r = json.loads(res_file.read_text())
     r["gpu_steady"] = sampler.window(r["t_steady"], r["t_last"])
+    if "t10" in r:  # results flowing: between the pipeline's fill and its drain
+        r["gpu_10_90"] = sampler.window(r["t10"], r["t90"])
     r["gpu_whole_phase"] = sampler.window(t0, time.time())
+    r["gpu_trace"] = {"columns": ["s since phase start", "GPU busy %", "GPU memory GiB", "host CPU busy %"],
+                      "rows": sampler.trace(t0, time.time())}
     return r
 
 
@@ -424,6 +483,9 @@ def main() -> int:
     ap.add_argument("--max-image-side", type=int, default=640, help="preprocess bound (B, C); 640 keeps 640x480")
     ap.add_argument("--engines-per-gpu", type=int, help="default: the GPU preset's sizing")
     ap.add_argument("--engine-kwargs", default="{}", help="extra vLLM kwargs (JSON), all phases")
+    ap.add_argument("--pipeline-config", default="{}",
+                    help="more run parameters for B and C (JSON of RunConfig fields, e.g. "
+                         "'{\"max_concurrent_batches\": 24, \"batch_size\": 32}')")
     ap.add_argument("--cuda-mps", choices=["auto", "on", "off"], default="auto",
                     help="the pipeline's cuda_mps parameter (stage, flow); raw vLLM runs without MPS")
     ap.add_argument("--phases", default="raw,stage,flow")
@@ -445,6 +507,9 @@ def main() -> int:
     results: dict = {"n": n_images, "host": platform.node(), "cpus": os.cpu_count(), "model": a.model,
                      "arch": None if "--model" in sys.argv else a.arch, "max_tokens": a.max_tokens,
                      "max_pixels": a.max_pixels, "max_image_side": a.max_image_side,
+                     "options": {"engine_kwargs": json.loads(a.engine_kwargs),
+                                 "pipeline_config": json.loads(a.pipeline_config),
+                                 "engines_per_gpu": a.engines_per_gpu, "cuda_mps": a.cuda_mps},
                      "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     out = Path(a.json) if a.json else None
     if a.merge and out and out.exists():  # phases run by an earlier invocation on the same work folder
@@ -494,13 +559,16 @@ def _write(results: dict, out: Path | None) -> Path:
 
 def _table(results: dict) -> None:
     cols = [n for n in ("raw", "stage", "flow") if n in results and "error" not in results[n]]
-    rows = [("images/s (steady)", "images_per_s"), ("images/s (incl. start-up)", "images_per_s_wall"),
+    rows = [("images/s (steady)", "images_per_s"), ("images/s (10-90% of results)", "images_per_s_10_90"),
+            ("images/s (incl. start-up)", "images_per_s_wall"),
             ("output tokens/s", "output_tokens_per_s"), ("first result after s", "start_to_first_result_s"),
             ("wall s", "wall_s"), ("mean input tokens", "mean_input_tokens")]
     print(f"{'':28}" + "".join(f"{c:>12}" for c in cols))
     for label, key in rows:
         print(f"{label:28}" + "".join(f"{results[c].get(key)!s:>12}" for c in cols))
     print(f"{'GPU busy % (steady)':28}" + "".join(f"{results[c]['gpu_steady']['gpu_busy_pct']!s:>12}" for c in cols))
+    print(f"{'GPU busy % (10-90%)':28}" + "".join(f"{(results[c].get('gpu_10_90') or {}).get('gpu_busy_pct')!s:>12}"
+                                                 for c in cols))
     print(f"{'host CPU busy % (steady)':28}" + "".join(f"{results[c]['gpu_steady'].get('host_cpu_busy_pct')!s:>12}" for c in cols))
     print(f"{'GPU memory peak GiB':28}" + "".join(f"{results[c]['gpu_whole_phase']['gpu_mem_peak_gib']!s:>12}" for c in cols))
     print(f"device: {results.get('device')}  n={results['n']}  ratios: {json.dumps(results.get('ratios'))}"

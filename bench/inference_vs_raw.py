@@ -30,7 +30,7 @@ def raw_vllm(cfg, model_path: str, rows: list[dict], preset) -> dict:
     from PIL import Image
     from vllm import LLM, SamplingParams
 
-    from tasks.inference import _make_request
+    from captionflow.llm_rows import caption_request
 
     t0 = time.perf_counter()
     engine_kwargs = {"max_num_seqs": cfg.max_num_seqs or preset.max_num_seqs,
@@ -42,8 +42,8 @@ def raw_vllm(cfg, model_path: str, rows: list[dict], preset) -> dict:
     t1 = time.perf_counter()
     messages = []
     for r in rows:
-        req = _make_request(r, system_prompt=cfg.system_prompt, prompt=cfg.prompt, sampling=sampling,
-                            mm_kwargs={}, fail_ids=frozenset())
+        req = caption_request(dict(r), system_prompt=cfg.system_prompt, prompt=cfg.prompt, sampling=sampling,
+                              fail_ids=frozenset())
         messages.append(req["messages"])
     outs = llm.chat(messages, SamplingParams(**sampling),
                     mm_processor_kwargs={"max_pixels": cfg.max_pixels or preset.max_pixels}, use_tqdm=False)

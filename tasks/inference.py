@@ -27,7 +27,6 @@ import uuid
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from prefect import task
 
 from captionflow.retry import retry_transient
@@ -37,23 +36,13 @@ from captionflow import vllm_warmup
 from captionflow.config import RunConfig
 from captionflow.cuda_mps import ensure_mps
 from captionflow.fingerprint import digest
-from captionflow.images import data_url
+from captionflow.llm_rows import CAPTION_SCHEMA, caption_fixed_schema, caption_request, keep_pending, to_caption
 from captionflow.model_source import ResolvedModel
 from captionflow.presets import (PRESETS, Preset, engines_per_gpu, local_gpu_memory_bytes, local_ray_cpus,
                                  model_weight_bytes)
 from captionflow.storage import Store
 from tasks.preprocess import shard_paths
 
-CAPTION_SCHEMA = pa.schema([
-    ("image_id", pa.string()),
-    ("caption", pa.string()),
-    ("finish_reason", pa.string()),  # "stop" | "length"
-    ("num_input_tokens", pa.int64()),
-    ("num_output_tokens", pa.int64()),
-    ("model_fingerprint", pa.string()),
-    ("error", pa.string()),
-    ("attempt", pa.int64()),
-])
 # Testing hook: a comma-separated list of image ids whose *first* attempt is sent to the engine
 # with invalid sampling parameters (temperature -1), so the real engine rejects that row.
 INJECT_ENV = "CAPTIONFLOW_INJECT_ROW_FAILURES"
@@ -117,48 +106,6 @@ def choose_preset(cfg: RunConfig) -> Preset:
     import ray
 
     return PRESETS["gpu"] if ray.cluster_resources().get("GPU", 0) > 0 else PRESETS["cpu"]
-
-
-def image_messages(system_prompt: str, image: bytes, text: str) -> list[dict]:
-    """OpenAI-style chat messages: a system prompt, then one image (as a data: URL) and a text."""
-    return [
-        {"role": "system", "content": system_prompt},
-        {"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": data_url(image)}},
-            {"type": "text", "text": text},
-        ]},
-    ]
-
-
-def _make_request(row: dict, *, system_prompt: str, prompt: str, sampling: dict, fail_ids: frozenset) -> dict:
-    params = dict(sampling)
-    if row["image_id"] in fail_ids:
-        params["temperature"] = -1.0  # rejected by vLLM's SamplingParams validation
-    return {"image_id": row["image_id"], "messages": image_messages(system_prompt, row["image"], prompt),
-            "sampling_params": params}
-
-
-def _to_caption(row: dict, *, max_tokens: int, model_fp: str, attempt: int) -> dict:
-    n_out = int(row.get("num_generated_tokens") or 0)
-    return {
-        "image_id": row["image_id"], "caption": row.get("generated_text") or "",
-        "finish_reason": "length" if n_out >= max_tokens else "stop",
-        "num_input_tokens": int(row.get("num_input_tokens") or 0), "num_output_tokens": n_out,
-        "model_fingerprint": model_fp, "error": "", "attempt": attempt,
-    }
-
-
-def _fixed_schema(row: dict, *, model_fp: str, attempt: int) -> dict:
-    """Error rows bypass the processor's postprocess: give every row the same columns."""
-    err = row.get("__inference_error__") or ""
-    if err:
-        return {"image_id": row["image_id"], "caption": "", "finish_reason": "error", "num_input_tokens": 0,
-                "num_output_tokens": 0, "model_fingerprint": model_fp, "error": str(err)[:2000], "attempt": attempt}
-    return {k: row[k] for k in CAPTION_SCHEMA.names}
-
-
-def _keep_pending(batch: pa.Table, *, pending: pa.Array) -> pa.Table:
-    return batch.filter(pc.is_in(batch["image_id"], value_set=pending))
 
 
 def engine_layout(cfg: RunConfig, model: ResolvedModel, preset: Preset) -> dict[str, Any]:
@@ -247,9 +194,9 @@ def build_caption_processor(cfg: RunConfig, model: ResolvedModel, preset: Preset
                 "ignore_eos": cfg.ignore_eos}
     return build_vlm_processor(
         cfg, model, preset,
-        preprocess=functools.partial(_make_request, system_prompt=cfg.system_prompt, prompt=cfg.prompt,
+        preprocess=functools.partial(caption_request, system_prompt=cfg.system_prompt, prompt=cfg.prompt,
                                      sampling=sampling, fail_ids=fail_ids),
-        postprocess=functools.partial(_to_caption, max_tokens=cfg.max_tokens, model_fp=model.fingerprint,
+        postprocess=functools.partial(to_caption, max_tokens=cfg.max_tokens, model_fp=model.fingerprint,
                                       attempt=attempt),
     )
 
@@ -268,7 +215,7 @@ def read_pending(store: Store, shard_paths: list[str], columns: list[str], pendi
     # pyarrow's own S3 filesystem ignores AWS_ENDPOINT_URL: hand Ray the fsspec one explicitly.
     ds = ray.data.read_parquet(shard_paths, filesystem=PyFileSystem(FSSpecHandler(store.fs)), columns=columns,
                                ray_remote_args={"num_cpus": preset.map_cpus})
-    ds = ds.map_batches(functools.partial(_keep_pending, pending=pa.array(pending, pa.string())),
+    ds = ds.map_batches(functools.partial(keep_pending, pending=pa.array(pending, pa.string())),
                         batch_format="pyarrow", num_cpus=preset.map_cpus)
     return ds.repartition(target_num_rows_per_block=rows_per_block)
 
@@ -280,8 +227,6 @@ def ids_in(store: Store, files: list[str]) -> set[str]:
 
 def run_inference(cfg: RunConfig, manifest: dict, model: ResolvedModel) -> dict:
     """Caption every accepted row not yet captioned; returns counts and timings."""
-    import ray
-
     t_start = time.perf_counter()
     store = Store(cfg.output)
     ds_fp = manifest["dataset_fingerprint"]
@@ -313,7 +258,7 @@ def run_inference(cfg: RunConfig, manifest: dict, model: ResolvedModel) -> dict:
                               cfg.batch_size or preset.batch_size)
             processor = build_caption_processor(cfg, model, preset, attempt,
                                                 fail_ids=inject if attempt == 0 else frozenset())
-            out = processor(ds).map(functools.partial(_fixed_schema, model_fp=model.fingerprint, attempt=attempt),
+            out = processor(ds).map(functools.partial(caption_fixed_schema, model_fp=model.fingerprint, attempt=attempt),
                                     num_cpus=preset.map_cpus)
             n_ok, n_failed, first_row_s = stream_and_commit(
                 out, store, run, ("captions", "failures"), CAPTION_SCHEMA, done, cfg.commit_rows,

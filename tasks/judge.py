@@ -10,69 +10,19 @@ random built-in model. Rows the engine rejects are recorded with their error in
 from __future__ import annotations
 
 import functools
-import json
 import time
 
-import pyarrow as pa
 from prefect import task
 
 from captionflow.config import RunConfig
 from captionflow.fingerprint import digest
+from captionflow.llm_rows import (JUDGE_MAX_TOKENS, JUDGE_REGEX, JUDGE_SCHEMA, JUDGE_SYSTEM, judge_fixed_schema,
+                                  judge_out, judge_prompt, judge_request)
 from captionflow.model_source import ResolvedModel
 from captionflow.retry import retry_transient
 from captionflow.storage import Store
 from tasks.preprocess import shard_paths
-from tasks.inference import (build_vlm_processor, choose_preset, ids_in, image_messages, init_ray, read_pending,
-                             stream_and_commit)
-
-JUDGE_REGEX = r'\{"score": [1-5], "reason": "[A-Za-z0-9 ,.;:()-]{0,80}"\}'
-JUDGE_MAX_TOKENS = 160  # >= the longest match even at one character per token
-JUDGE_SYSTEM = "You are a strict judge of image captions. You answer only in JSON."
-JUDGE_SCHEMA = pa.schema([
-    ("image_id", pa.string()), ("score", pa.int64()), ("reason", pa.string()), ("raw", pa.string()),
-    ("error", pa.string()), ("attempt", pa.int64()),
-])
-
-
-def judge_prompt(caption: str, references: list[str]) -> str:
-    refs = "".join(f"\n- {r}" for r in references)
-    return (f"Caption to judge: {caption!r}\n"
-            + (f"Reference captions written by people:{refs}\n" if references else "")
-            + 'Rate how accurately the caption describes the image, from 1 (wrong) to 5 (perfect). '
-              'Answer as {"score": <1-5>, "reason": "<short reason>"}.')
-
-
-def _judge_request(row: dict, *, captions: dict, sampling: dict) -> dict:
-    text = judge_prompt(captions[row["image_id"]], list(row.get("references") or []))
-    return {"image_id": row["image_id"], "messages": image_messages(JUDGE_SYSTEM, row["image"], text),
-            "sampling_params": sampling}
-
-
-def parse_judgement(text: str) -> tuple[int, str]:
-    obj = json.loads(text)
-    score = int(obj["score"])
-    if not 1 <= score <= 5:
-        raise ValueError(f"score {score} out of range")
-    return score, str(obj.get("reason", ""))
-
-
-def _judge_out(row: dict, *, attempt: int) -> dict:
-    raw = row.get("generated_text") or ""
-    try:
-        score, reason = parse_judgement(raw)
-        err = ""
-    except (ValueError, KeyError, TypeError) as e:
-        score, reason, err = None, "", f"unparseable judge answer ({e}): {raw[:200]!r}"
-    return {"image_id": row["image_id"], "score": score, "reason": reason, "raw": raw, "error": err, "attempt": attempt}
-
-
-def _fixed(row: dict, *, attempt: int) -> dict:
-    err = row.get("__inference_error__") or ""
-    if err:
-        return {"image_id": row["image_id"], "score": None, "reason": "", "raw": "", "error": str(err)[:2000],
-                "attempt": attempt}
-    return {k: row[k] for k in JUDGE_SCHEMA.names}
-
+from tasks.inference import build_vlm_processor, choose_preset, ids_in, init_ray, read_pending, stream_and_commit
 
 def judge_paths(run_parts: list[str], judge: ResolvedModel) -> tuple[str, ...]:
     fp = digest({"model": judge.fingerprint, "regex": JUDGE_REGEX, "system": JUDGE_SYSTEM,
@@ -103,10 +53,10 @@ def run_judge(cfg: RunConfig, manifest: dict, inference: dict, judge: ResolvedMo
                     "structured_outputs": {"regex": JUDGE_REGEX}}
         processor = build_vlm_processor(
             cfg, judge, preset,
-            preprocess=functools.partial(_judge_request, captions=captions, sampling=sampling),
-            postprocess=functools.partial(_judge_out, attempt=attempt),
+            preprocess=functools.partial(judge_request, captions=captions, sampling=sampling),
+            postprocess=functools.partial(judge_out, attempt=attempt),
         )
-        out = processor(ds).map(functools.partial(_fixed, attempt=attempt), num_cpus=preset.map_cpus)
+        out = processor(ds).map(functools.partial(judge_fixed_schema, attempt=attempt), num_cpus=preset.map_cpus)
         n_ok, n_failed, _ = stream_and_commit(out, store, base, ("scores", "failures"), JUDGE_SCHEMA, done,
                                               cfg.commit_rows)
         passes.append({"attempt": attempt, "sent": len(pending), "judged": n_ok, "failed": n_failed})
