@@ -2,10 +2,10 @@
 
 Kept apart from ``tasks/inference.py`` and ``tasks/judge.py`` on purpose, like
 ``captionflow/preprocess_items.py``: a Ray worker imports the module of each function it runs,
-and those modules import Prefect (about 1.5-3 s of CPU per worker process). Measured on the H100
-host, that cost landed on the output side of the pipeline: the postprocess tasks started new
-workers while the engines were busy, and results reached the driver seconds after the engines
-had finished them. This module needs only pyarrow and the standard library.
+and those modules import Prefect (2.7 s of CPU per worker process on a 2-core CI machine). On the
+H100 host the postprocess tasks start new worker processes while the engines are busy (``top``
+showed about 15 starting at once, README "GPU benchmark"), so that import would land on the CPU
+the engines' front ends need. This module needs only pyarrow, Pillow and the standard library.
 
 Request builders also *remove* the preprocessed image bytes from the row: Ray Data LLM carries
 every input column through every stage (``wrap_preprocess`` keeps the row it is given), and the

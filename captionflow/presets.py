@@ -42,6 +42,12 @@ class Preset:
     max_pixels: int
     cpu_stage_cpus: float  # each Ray Data LLM CPU stage actor
     map_cpus: float  # each plain map/read task
+    # Most tasks at once of each plain map/read operator. Bounded so that a small, steady set of Ray
+    # worker processes runs them: unbounded, Ray Data launched ~15 postprocess tasks at once when the
+    # first results arrived, Ray started a new worker process for each (~1-2 s of CPU apiece, all 16
+    # cores busy for ~4 s), and the engines' front ends starved: the GPU fell to ~10% busy
+    # (measured on the H100 host with top, README "GPU benchmark"). The maps are light.
+    map_concurrency: int
     engine_cpus: float
     engine_gpus: int
     tokenize_in_ray: bool  # separate tokenize/detokenize stages (else vLLM does it in-engine)
@@ -58,7 +64,7 @@ class Preset:
 
 CPU = Preset(
     name="cpu", batch_size=8, concurrency=1, max_concurrent_batches=2, max_num_seqs=16, max_model_len=1024,
-    max_pixels=224 * 224, cpu_stage_cpus=0.25, map_cpus=0.25, engine_cpus=1.0, engine_gpus=0,
+    max_pixels=224 * 224, cpu_stage_cpus=0.25, map_cpus=0.25, map_concurrency=2, engine_cpus=1.0, engine_gpus=0,
     tokenize_in_ray=False,
     # enforce_eager: torch.compile warm-up costs ~40 s on 2 cores for no gain on a tiny model.
     # kv_cache_memory_bytes: a fixed KV budget instead of vLLM's "fraction of node memory" check.
@@ -66,7 +72,7 @@ CPU = Preset(
 )
 GPU = Preset(
     name="gpu", batch_size=32, concurrency=1, max_concurrent_batches=12, max_num_seqs=256, max_model_len=4096,
-    max_pixels=448 * 448, cpu_stage_cpus=1.0, map_cpus=0.5, engine_cpus=2.0, engine_gpus=1,
+    max_pixels=448 * 448, cpu_stage_cpus=1.0, map_cpus=0.5, map_concurrency=4, engine_cpus=2.0, engine_gpus=1,
     # tokenize in the engine, from the chat-templated text, as raw vLLM does: two fewer Ray actors per
     # pipeline; tokenising is a small part of the engine's input processing (profile: README, GPU benchmark).
     tokenize_in_ray=False,

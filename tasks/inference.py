@@ -131,6 +131,11 @@ def engine_layout(cfg: RunConfig, model: ResolvedModel, preset: Preset) -> dict[
             "env": env}
 
 
+def map_task_kwargs(preset: Preset) -> dict[str, Any]:
+    """Resources and concurrency of every plain map/read task of the LLM passes (see presets.py)."""
+    return {"num_cpus": preset.map_cpus, "concurrency": preset.map_concurrency}
+
+
 def build_vlm_processor(cfg: RunConfig, model: ResolvedModel, preset: Preset, preprocess, postprocess):
     """A Ray Data LLM processor for one VLM, sized by ``preset``; the row functions decide the task.
 
@@ -183,7 +188,7 @@ def build_vlm_processor(cfg: RunConfig, model: ResolvedModel, preset: Preset, pr
         detokenize_stage={**cpu_stage, "enabled": preset.tokenize_in_ray},
         **extra,
     )
-    map_kwargs = {"num_cpus": preset.map_cpus}
+    map_kwargs = map_task_kwargs(preset)
     return build_processor(config, preprocess=preprocess, postprocess=postprocess,
                            preprocess_map_kwargs=map_kwargs, postprocess_map_kwargs=map_kwargs)
 
@@ -214,9 +219,9 @@ def read_pending(store: Store, shard_paths: list[str], columns: list[str], pendi
 
     # pyarrow's own S3 filesystem ignores AWS_ENDPOINT_URL: hand Ray the fsspec one explicitly.
     ds = ray.data.read_parquet(shard_paths, filesystem=PyFileSystem(FSSpecHandler(store.fs)), columns=columns,
-                               ray_remote_args={"num_cpus": preset.map_cpus})
+                               ray_remote_args={"num_cpus": preset.map_cpus}, concurrency=preset.map_concurrency)
     ds = ds.map_batches(functools.partial(keep_pending, pending=pa.array(pending, pa.string())),
-                        batch_format="pyarrow", num_cpus=preset.map_cpus)
+                        batch_format="pyarrow", **map_task_kwargs(preset))
     return ds.repartition(target_num_rows_per_block=rows_per_block)
 
 
@@ -259,7 +264,7 @@ def run_inference(cfg: RunConfig, manifest: dict, model: ResolvedModel) -> dict:
             processor = build_caption_processor(cfg, model, preset, attempt,
                                                 fail_ids=inject if attempt == 0 else frozenset())
             out = processor(ds).map(functools.partial(caption_fixed_schema, model_fp=model.fingerprint, attempt=attempt),
-                                    num_cpus=preset.map_cpus)
+                                    **map_task_kwargs(preset))
             n_ok, n_failed, first_row_s = stream_and_commit(
                 out, store, run, ("captions", "failures"), CAPTION_SCHEMA, done, cfg.commit_rows,
                 progress=lambda n_pass: _progress_update(progress_id, len(done & all_ids), len(all_ids), t_pass, n_pass))

@@ -22,7 +22,8 @@ from captionflow.model_source import ResolvedModel
 from captionflow.retry import retry_transient
 from captionflow.storage import Store
 from tasks.preprocess import shard_paths
-from tasks.inference import build_vlm_processor, choose_preset, ids_in, init_ray, read_pending, stream_and_commit
+from tasks.inference import (build_vlm_processor, choose_preset, ids_in, init_ray, map_task_kwargs, read_pending,
+                             stream_and_commit)
 
 def judge_paths(run_parts: list[str], judge: ResolvedModel) -> tuple[str, ...]:
     fp = digest({"model": judge.fingerprint, "regex": JUDGE_REGEX, "system": JUDGE_SYSTEM,
@@ -56,7 +57,7 @@ def run_judge(cfg: RunConfig, manifest: dict, inference: dict, judge: ResolvedMo
             preprocess=functools.partial(judge_request, captions=captions, sampling=sampling),
             postprocess=functools.partial(judge_out, attempt=attempt),
         )
-        out = processor(ds).map(functools.partial(judge_fixed_schema, attempt=attempt), num_cpus=preset.map_cpus)
+        out = processor(ds).map(functools.partial(judge_fixed_schema, attempt=attempt), **map_task_kwargs(preset))
         n_ok, n_failed, _ = stream_and_commit(out, store, base, ("scores", "failures"), JUDGE_SCHEMA, done,
                                               cfg.commit_rows)
         passes.append({"attempt": attempt, "sent": len(pending), "judged": n_ok, "failed": n_failed})
