@@ -45,7 +45,7 @@ class Preset:
     # Most tasks at once of each plain map/read operator. Bounded so that a small, steady set of Ray
     # worker processes runs them: unbounded, Ray Data launched ~15 postprocess tasks at once when the
     # first results arrived, Ray started a new worker process for each (~1-2 s of CPU apiece, all 16
-    # cores busy for ~4 s), and the engines' front ends starved: the GPU fell to ~10% busy
+    # cores busy for ~4 s), and the engines' front ends starved: the GPU fell to 12-50% busy
     # (measured on the H100 host with top, README "GPU benchmark"). The maps are light.
     map_concurrency: int
     engine_cpus: float
