@@ -10,8 +10,9 @@ One invocation on one GPU host, the same N images and the same work per image fo
 Model: a full-size architecture stand-in (``captionflow build-model --arch``, default
 Qwen2.5-VL-3B) with vLLM's random weights (``load_format="dummy"``), or ``--model DIR`` with real
 weights. Every request: the same chat messages, greedy, ``ignore_eos`` and ``--max-tokens`` (64),
-so every image costs the same; the same ``max_pixels``; preprocessing keeps 640x480 images at
-their size (``max_image_side`` 640), so all three send the same pixels to the image processor.
+so every image costs the same; the same ``max_pixels`` (default 224x224, the goals' basis);
+preprocessing keeps 640x480 images at their size (``max_image_side`` 640), so all three send the
+same pixels to the image processor.
 
 Each phase runs in its own process (the GPU is free between them) while this process samples GPU
 utilisation and memory through NVML. Throughput is reported two ways:
@@ -33,7 +34,7 @@ utilisation and memory through NVML. Throughput is reported two ways:
 is each phase's steady images/s per GPU over the seeds' 6.3. ``gpu_trace`` keeps each phase's GPU
 busy %, GPU memory and host CPU busy % second by second.
 
-    python bench/gpu_throughput.py                 # N=2000, all three phases
+    python bench/gpu_throughput.py                 # N=2000, 224x224, all three phases
     python bench/gpu_throughput.py --n 500 --phases raw,stage
 """
 
@@ -479,7 +480,9 @@ def main() -> int:
                                     "('builtin': the tiny built-in model, for a quick check on CPU)")
     ap.add_argument("--device", choices=["gpu", "cpu"], default="gpu", help="the preset (cpu: a smoke test)")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--max-pixels", type=int, default=448 * 448, help="image processor budget, all phases")
+    ap.add_argument("--max-pixels", type=int, default=224 * 224,
+                    help="image processor budget, all phases (default 224x224, the basis of issue #7's goals and "
+                         "of the host's raw baseline; 200704 = 448x448, the GPU preset's own budget)")
     ap.add_argument("--max-image-side", type=int, default=640, help="preprocess bound (B, C); 640 keeps 640x480")
     ap.add_argument("--engines-per-gpu", type=int, help="default: the GPU preset's sizing")
     ap.add_argument("--engine-kwargs", default="{}", help="extra vLLM kwargs (JSON), all phases")
