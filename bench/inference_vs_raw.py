@@ -12,7 +12,6 @@ Prints a short table and writes JSON (``--json``, default bench/results/inferenc
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import platform
@@ -27,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 def raw_vllm(cfg, model_path: str, rows: list[dict], preset) -> dict:
     """One vllm.LLM in this process, chat over all rows."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    from PIL import Image
     from vllm import LLM, SamplingParams
 
     from captionflow.llm_rows import caption_request

@@ -9,7 +9,8 @@ a 2,000-image run after the engines were up (bench/diag_processor_cache.py, READ
 (vLLM 0.29 warms the processor itself at start-up; there this is redundant and harmless.)
 
 ``install`` is Ray's ``worker_process_setup_hook`` for the job (``SETUP_HOOK``, set by
-``tasks.inference.init_ray``; Ray ignores one given to a single actor). It imports nothing: when vLLM's
+``tasks.inference.init_ray`` for the GPU preset and on a Ray cluster; Ray ignores one given to a
+single actor). It imports nothing: when vLLM's
 modules in ``PATCHES`` are imported later in a worker, (1) ``InputProcessor`` is wrapped so that, once
 constructed (before the engine core - a separate process - has loaded and compiled the model), a
 background thread asks the renderer's multimodal processor for its HF processor with the request

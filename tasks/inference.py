@@ -82,22 +82,39 @@ def init_ray(cfg: RunConfig) -> None:
     for k, v in WORKER_ENV.items():
         os.environ.setdefault(k, v)
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
-    # Every worker of this job runs the (import-triggered, otherwise no-op) vLLM processor pre-build
-    # hook: Ray does not run a setup hook given to a single actor's runtime_env.
-    runtime_env = {"env_vars": WORKER_ENV, "worker_process_setup_hook": vllm_warmup.SETUP_HOOK}
+    # The vLLM processor pre-build hook (import-triggered, otherwise a no-op) is set for the whole job:
+    # Ray does not run a setup hook given to a single actor's runtime_env.
+    hook = {"worker_process_setup_hook": vllm_warmup.SETUP_HOOK}
     if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
-    else:
-        if cfg.device == "auto":
-            import torch
+        ray.init(address=address, runtime_env={"env_vars": WORKER_ENV, **hook}, log_to_driver=False)
+        return
+    hint = PRESETS[cfg.device] if cfg.device != "auto" else PRESETS["gpu" if _has_cuda() else "cpu"]
+    engines = cfg.concurrency or hint.concurrency * (cfg.engines_per_gpu or hint.max_engines_per_gpu)
+    # A local Ray's workers inherit this process's environment (WORKER_ENV is set above). A job
+    # runtime_env, even env_vars alone, makes Ray start new workers instead of the ones it prestarted
+    # (measured: 2 fresh worker processes, ~2 s of CPU each, before the first task on 2 cores), so the
+    # job gets one only where the vLLM hook is needed: the GPU preset (vLLM 0.26 on the GPU host; the
+    # CPU build, vLLM 0.29, pre-builds its processor itself).
+    ray.init(num_cpus=local_ray_cpus(hint, engines, cfg.ray_num_cpus), include_dashboard=False,
+             runtime_env=hook if hint.engine_gpus else None, log_to_driver=False)
+    _LOCAL_RAY["started"] = True
 
-            hint = PRESETS["gpu" if torch.cuda.is_available() else "cpu"]
-        else:
-            hint = PRESETS[cfg.device]
-        engines = cfg.concurrency or hint.concurrency * (cfg.engines_per_gpu or hint.max_engines_per_gpu)
-        ray.init(num_cpus=local_ray_cpus(hint, engines, cfg.ray_num_cpus),
-                 include_dashboard=False, runtime_env=runtime_env, log_to_driver=False)
-        _LOCAL_RAY["started"] = True
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def cpu_task_share(cfg: RunConfig) -> float:
+    """Logical CPUs that one CPU-bound task declares, so that at most one runs per physical core: a
+    local Ray declares more logical CPUs than cores (``presets.local_ray_cpus``); on a cluster one."""
+    import ray
+
+    if cfg.ray_address or os.environ.get("RAY_ADDRESS"):
+        return 1.0
+    physical = os.cpu_count() or 1
+    return max(1.0, ray.cluster_resources().get("CPU", physical) / physical)
 
 
 def choose_preset(cfg: RunConfig) -> Preset:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 import uuid
 
-import pytest
 
 from captionflow.config import RunConfig
 

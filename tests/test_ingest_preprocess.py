@@ -15,7 +15,7 @@ from captionflow.config import RunConfig
 from captionflow.storage import Store
 from hostile import ACCEPTED, build_corpus
 from tasks.ingest import DatasetError, ingest
-from tasks.preprocess import preprocess
+from tasks.preprocess import LARGEST_TASK, SMALLEST_TASK, preprocess, task_sizes
 
 
 def _outcomes(cfg: RunConfig, manifest: dict) -> dict[str, str]:
@@ -71,6 +71,43 @@ def test_golden_skip_and_change_detection(tmp_path):
     p = corpus / "cmyk.jpg"
     p.write_bytes(p.read_bytes() + b"\0")  # modified content (size changes)
     assert ingest(cfg).dataset_fingerprint != first.dataset_fingerprint
+
+
+def test_task_sizes_ramp_up_and_down_and_cover_every_file():
+    for n in (0, 1, 63, 64, 100, 2000, 6000, 20000, 100_003):
+        for workers in (1, 2, 16):
+            sizes = task_sizes(n, workers)
+            assert sum(sizes) == n and all(0 < k <= LARGEST_TASK for k in sizes), (n, workers, sizes)
+    sizes = task_sizes(20000, 2)
+    assert sizes[:2] == [SMALLEST_TASK] * 2 and sizes[-2:] == [SMALLEST_TASK] * 2  # each worker starts small
+    assert sizes.count(LARGEST_TASK) >= len(sizes) - 12  # full-size tasks in the middle
+
+
+def test_many_tasks_keep_listing_order_and_the_first_duplicate(tmp_path):
+    """Enough files for several tasks of different sizes: shards hold the accepted images in listing
+    order, a duplicate is recorded against the first copy listed, and image bytes are stored
+    uncompressed (JPEG already is) while the other columns are zstd."""
+    corpus = tmp_path / "many"
+    corpus.mkdir()
+    for i in range(150):
+        colour = (i, 255 - i, (7 * i) % 256)
+        Image.new("RGB", (40 + i % 5, 30), colour).save(corpus / f"img_{i:03d}.png")
+    (corpus / "img_149_copy.png").write_bytes((corpus / "img_003.png").read_bytes())
+    cfg = RunConfig(dataset=str(corpus), output=str(tmp_path / "out"))
+    ing = ingest(cfg)
+    assert len(task_sizes(ing.n_inputs, 2)) >= 3
+    m = preprocess(ing, cfg)
+    assert m["counts"] == {"listed": 151, "accepted": 150, "quarantined": 0, "duplicates": 1}
+    store = Store(cfg.output)
+    base = ("datasets", m["dataset_fingerprint"])
+    paths = [store.path(*base, "shards", s) for s in m["shards"]]
+    assert store.read_tables(paths).column("source").to_pylist() == [f"img_{i:03d}.png" for i in range(150)]
+    q = store.read_table(store.path(*base, "quarantine.parquet")).to_pylist()
+    assert [(r["source"], r["reason"], r["detail"]) for r in q] == [
+        ("img_149_copy.png", "duplicate", "same content as img_003.png")]
+    meta = pq.ParquetFile(paths[0]).metadata.row_group(0)
+    codecs = {meta.column(i).path_in_schema: meta.column(i).compression for i in range(meta.num_columns)}
+    assert codecs["image"] == "UNCOMPRESSED" and codecs["image_id"] == "ZSTD", codecs
 
 
 def _hf_parquet(path, n_files: int = 2) -> list[str]:
