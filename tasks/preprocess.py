@@ -13,6 +13,7 @@ folder without it is unfinished and is rebuilt.
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 
 import pyarrow as pa
@@ -146,7 +147,7 @@ def preprocess(ing: IngestResult, cfg: RunConfig) -> dict:
         sizes = task_sizes(len(items), max(1, int(ray.cluster_resources().get("CPU", 1) / per_task)))
     else:  # one per Parquet row group
         sizes = [1] * len(items)
-    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    bounds = [0, *itertools.accumulate(sizes)]
     blocks = [pa.Table.from_pylist(items[a:b]) for a, b in zip(bounds, bounds[1:])]
     # Results in listing order, so the first of duplicates is kept: for this dataset only (a Dataset
     # keeps a copy of the process-wide DataContext made when it is created; inference does not want it).
