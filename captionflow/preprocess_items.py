@@ -50,3 +50,14 @@ def process_item(item: dict, *, fs, kind: str, image_column: str | None, caption
         refs = [cap] if isinstance(cap, str) else [str(c) for c in cap] if cap else []
         out.append(_result(source, img or b"", refs, max_side, max_pixels))
     return out
+
+
+class ItemProcessor:
+    """``process_item`` with the stage's parameters bound: the callable class that the preprocess
+    stage's Ray Data actor pool runs (see ``tasks/preprocess.py`` for why actors, not tasks)."""
+
+    def __init__(self, **params):
+        self.params = params
+
+    def __call__(self, item: dict) -> list[dict]:
+        return process_item(item, **self.params)

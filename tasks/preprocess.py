@@ -12,7 +12,6 @@ folder without it is unfinished and is rebuilt.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import time
 
@@ -21,7 +20,7 @@ import pyarrow.compute as pc
 from prefect import task
 
 from captionflow.config import RunConfig
-from captionflow.preprocess_items import process_item
+from captionflow.preprocess_items import ItemProcessor
 from captionflow.retry import retry_transient
 from captionflow.storage import Store, open_fs
 from tasks.ingest import SCHEMA_VERSION, IngestResult
@@ -70,9 +69,8 @@ def task_sizes(n: int, workers: int, smallest: int = SMALLEST_TASK, largest: int
     """How many of ``n`` image files each preprocess task takes, in order: ``smallest`` for each
     worker's first task, doubling up to ``largest``, then halving again so that the workers finish
     together. Small first tasks bring the first results (and the driver's shard writing) in sooner;
-    ``largest`` bounds a task's output block (128 files of ~67 KB: ~9 MB). With 512 files per task
-    the pipeline ran faster on 2 cores (Ray leaves ~0.17 s between one task's end and the next
-    one's start) but its peak memory at N=20,000 rose 1.32x over N=2,000 (README "Benchmarks")."""
+    ``largest`` bounds a task's output block (128 files of ~67 KB: ~9 MB); 512 files per task raised
+    the peak memory at N=20,000 to 1.32x that at N=2,000 (README "Benchmarks")."""
     ramp, size = [], smallest
     while size < largest:
         ramp += [size] * workers
@@ -142,12 +140,15 @@ def preprocess(ing: IngestResult, cfg: RunConfig) -> dict:
     fs, _ = open_fs(ing.source)
     params = ing.preprocess_params
     items = work_items(ing)
-    per_task = cpu_task_share(cfg)  # one task per physical core
+    per_task = cpu_task_share(cfg)  # one actor per physical core
+    workers = max(1, int(ray.cluster_resources().get("CPU", 1) / per_task))
     if ing.kind == "images":  # one block, and so one task, per group of files
-        sizes = task_sizes(len(items), max(1, int(ray.cluster_resources().get("CPU", 1) / per_task)))
+        sizes = task_sizes(len(items), workers)
     else:  # one per Parquet row group
         sizes = [1] * len(items)
     bounds = [0, *itertools.accumulate(sizes)]
+    # from_blocks keeps these blocks as they are and reads their metadata here; from_arrow sends one
+    # metadata task per block to the workers, which waited ~3 s for Ray to start them (2 cores, N=2,000).
     blocks = [pa.Table.from_pylist(items[a:b]) for a, b in zip(bounds, bounds[1:])]
     # Results in listing order, so the first of duplicates is kept: for this dataset only (a Dataset
     # keeps a copy of the process-wide DataContext made when it is created; inference does not want it).
@@ -155,11 +156,16 @@ def preprocess(ing: IngestResult, cfg: RunConfig) -> dict:
     saved = ctx.execution_options.preserve_order
     ctx.execution_options.preserve_order = True
     try:
-        ds = (ray.data.from_arrow(blocks) if blocks else ray.data.from_items([])).flat_map(
-            functools.partial(process_item, fs=fs, kind=ing.kind, image_column=ing.image_column,
-                              caption_column=ing.caption_column, references=ing.references,
-                              max_side=params["max_image_side"], max_pixels=params["max_input_pixels"]),
-            num_cpus=per_task)
+        # An actor pool, one actor per core, each sent its next block while it works on the current
+        # one: plain tasks left each core idle ~0.17 s between one task and the next (the driver has
+        # to see the end of one before it sends the next), ~10% of the stage on 2 cores.
+        ds = (ray.data.from_blocks(blocks) if blocks else ray.data.from_items([])).flat_map(
+            ItemProcessor, num_cpus=per_task,
+            fn_constructor_kwargs=dict(fs=fs, kind=ing.kind, image_column=ing.image_column,
+                                       caption_column=ing.caption_column, references=ing.references,
+                                       max_side=params["max_image_side"], max_pixels=params["max_input_pixels"]),
+            compute=ray.data.ActorPoolStrategy(size=max(1, min(workers, len(blocks))),
+                                               max_tasks_in_flight_per_actor=2))
     finally:
         ctx.execution_options.preserve_order = saved
     writer = _ShardWriter(store, base, params["shard_rows"], params["shard_mb"] * 2**20)
