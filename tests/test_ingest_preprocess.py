@@ -108,6 +108,9 @@ def test_many_tasks_keep_listing_order_and_the_first_duplicate(tmp_path):
     meta = pq.ParquetFile(paths[0]).metadata.row_group(0)
     codecs = {meta.column(i).path_in_schema: meta.column(i).compression for i in range(meta.num_columns)}
     assert codecs["image"] == "UNCOMPRESSED" and codecs["image_id"] == "ZSTD", codecs
+    stats = {meta.column(i).path_in_schema: meta.column(i).is_stats_set for i in range(meta.num_columns)}
+    assert not stats["image"] and stats["image_id"], stats
+    assert not [f for f in os.listdir(os.path.dirname(paths[0])) if f.startswith(".")]  # no temporary left
 
 
 def _hf_parquet(path, n_files: int = 2) -> list[str]:
