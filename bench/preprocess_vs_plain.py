@@ -29,7 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+_CPU_SEEN: dict[int, tuple[str, float]] = {}  # pid -> (name, CPU seconds) when last sampled
+
+
 def _tree_rss_sampler(stop: threading.Event, peak: list[int]) -> None:
+    """Every 0.2 s: the summed RSS of this process and its descendants (peak kept), and each one's
+    CPU time so far, so that a process that exits before the end (Ray Data's actors do, when their
+    pool shuts down) still counts up to its last sample."""
     import psutil
 
     me = psutil.Process()
@@ -38,25 +44,31 @@ def _tree_rss_sampler(stop: threading.Event, peak: list[int]) -> None:
         for p in [me] + me.children(recursive=True):
             try:
                 total += p.memory_info().rss
+                _CPU_SEEN[p.pid] = _cpu_of(p, me)
             except psutil.Error:
                 pass
         peak[0] = max(peak[0], total)
         time.sleep(0.2)
 
 
+def _cpu_of(p, me) -> tuple[str, float]:
+    t = p.cpu_times()
+    name = "driver" if p.pid == me.pid else p.name()
+    if name.startswith("ray::"):
+        name = "ray worker"  # task and actor workers (named after what they run now)
+    return name, t.user + t.system
+
+
 def _cpu_by_process() -> dict[int, tuple[str, float]]:
-    """CPU seconds (user + system) so far of this process and every descendant, by pid, with a short name."""
+    """CPU seconds (user + system) so far of this process and every descendant, by pid, with a short
+    name; processes gone since the sampler saw them count with their last sample."""
     import psutil
 
     me = psutil.Process()
-    out = {}
+    out = dict(_CPU_SEEN)
     for p in [me] + me.children(recursive=True):
         try:
-            t = p.cpu_times()
-            name = "driver" if p.pid == me.pid else p.name()
-            if name.startswith("ray::"):
-                name = "ray worker"  # task and actor workers (named after what they run now)
-            out[p.pid] = (name, t.user + t.system)
+            out[p.pid] = _cpu_of(p, me)
         except psutil.Error:
             pass
     return out
@@ -123,9 +135,9 @@ def side_pipeline(images: str, out: str) -> dict:
 
 def run_side(side: str, images: str, out: str) -> dict:
     code = (f"import json,sys,threading; sys.path.insert(0,{str(ROOT)!r}); import bench.preprocess_vs_plain as b;"
-            f"stop=threading.Event(); peak=[0]; t=threading.Thread(target=b._tree_rss_sampler,args=(stop,peak),daemon=True);"
+            "stop=threading.Event(); peak=[0]; t=threading.Thread(target=b._tree_rss_sampler,args=(stop,peak),daemon=True);"
             f"t.start(); r=b.side_{side}({images!r}" + (f",{out!r}" if side == "pipeline" else "") + ");"
-            f"stop.set(); t.join(); r['peak_rss_mb']=peak[0]/2**20; print('RESULT'+json.dumps(r))")
+            "stop.set(); t.join(); r['peak_rss_mb']=peak[0]/2**20; print('RESULT'+json.dumps(r))")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT")), None)
