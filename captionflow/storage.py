@@ -63,12 +63,12 @@ class Store:
 
     def write_bytes(self, data: bytes, *parts: str) -> str:
         """Atomically write ``data``; returns the path."""
-        return self._write(lambda fh: fh.write(data), data, *parts)
+        return self._write(lambda fh: fh.write(data), *parts)
 
-    def _write(self, fill, data: bytes | None, *parts: str) -> str:
-        """Atomically create the file at ``parts``: locally ``fill(file)`` writes a hidden temporary
-        file that is fsynced and renamed into place; on object stores ``data`` (built when None by
-        ``fill`` into memory) goes in one PUT, visible whole or not at all."""
+    def _write(self, fill, *parts: str) -> str:
+        """Atomically create the file at ``parts`` with what ``fill(file)`` writes: locally into a
+        hidden temporary file, fsynced and renamed into place; on object stores into memory, then
+        one PUT, visible whole or not at all."""
         p = self.path(*parts)
         if self.is_local:
             os.makedirs(os.path.dirname(p), exist_ok=True)
@@ -84,11 +84,9 @@ class Store:
                 if os.path.exists(tmp):
                     os.remove(tmp)
         else:
-            if data is None:
-                buf = io.BytesIO()
-                fill(buf)
-                data = buf.getvalue()
-            self.fs.pipe_file(p, data)
+            buf = io.BytesIO()
+            fill(buf)
+            self.fs.pipe_file(p, buf.getvalue())
         return p
 
     def read_bytes(self, *parts: str) -> bytes:
@@ -115,7 +113,7 @@ class Store:
             pq.write_table(table, fh, compression={c: "none" if c in media else "zstd" for c in table.column_names},
                            use_dictionary=plain, write_statistics=plain)
 
-        return self._write(fill, None, *parts)
+        return self._write(fill, *parts)
 
     def read_table(self, path: str, columns: Iterable[str] | None = None) -> pa.Table:
         """Read one Parquet file given its full path (as returned by ``ls``)."""
