@@ -107,8 +107,9 @@ def _has_cuda() -> bool:
 
 
 def cpu_task_share(cfg: RunConfig) -> float:
-    """Logical CPUs that one CPU-bound task declares, so that at most one runs per physical core: a
-    local Ray declares more logical CPUs than cores (``presets.local_ray_cpus``); on a cluster one."""
+    """Logical CPUs that one CPU-bound task or actor (the preprocess pool's) declares, so that at most
+    one runs per physical core: a local Ray declares more logical CPUs than cores
+    (``presets.local_ray_cpus``); on a cluster one."""
     import ray
 
     if cfg.ray_address or os.environ.get("RAY_ADDRESS"):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 import uuid
 
-
 from captionflow.config import RunConfig
 
 
