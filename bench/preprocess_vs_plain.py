@@ -3,7 +3,7 @@
 Both do the same work per image: read, decode, check, normalise (RGB, EXIF, bound the long side
 to 448 px), JPEG-encode. The plain loop runs before and after the pipeline; the baseline is the
 mean of the two (this VM's speed drifts within minutes). Each side runs in its own subprocess so that its peak memory is its own
-(the pipeline's is the sum over the driver and every Ray process, sampled every 0.2 s). The
+(the pipeline's is the sum over the driver and every Ray process, sampled every 0.5 s). The
 pipeline side also records when the first batch of results reaches the stage's driver loop
 (``first_result_s``: Ray Data's and the workers' start-up plus one task) and the rate after it.
 
@@ -33,7 +33,7 @@ _CPU_SEEN: dict[int, tuple[str, float]] = {}  # pid -> (name, CPU seconds) when 
 
 
 def _tree_rss_sampler(stop: threading.Event, peak: list[int]) -> None:
-    """Every 0.2 s: the summed RSS of this process and its descendants (peak kept), and each one's
+    """Every 0.5 s: the summed RSS of this process and its descendants (peak kept), and each one's
     CPU time so far, so that a process that exits before the end (Ray Data's actors do, when their
     pool shuts down) still counts up to its last sample."""
     import psutil
@@ -48,14 +48,14 @@ def _tree_rss_sampler(stop: threading.Event, peak: list[int]) -> None:
             except psutil.Error:
                 pass
         peak[0] = max(peak[0], total)
-        time.sleep(0.2)
+        time.sleep(0.5)  # one pass costs ~4 ms of this process's CPU with ~15 Ray processes
 
 
 def _cpu_of(p, me) -> tuple[str, float]:
     t = p.cpu_times()
     name = "driver" if p.pid == me.pid else p.name()
-    if name.startswith("ray::"):
-        name = "ray worker"  # task and actor workers (named after what they run now)
+    if name.startswith("ray::"):  # workers are named after what they run now
+        name = "map workers" if "MapWorker" in name else "ray worker"  # the stage's actor pool vs. others
     return name, t.user + t.system
 
 
