@@ -7,7 +7,15 @@ Prefect costs each worker over a second of CPU, a large share of a small job on 
 
 from __future__ import annotations
 
+import pyarrow as pa
+
 from captionflow.images import Rejected, normalise_image
+
+RESULT_SCHEMA = pa.schema([  # one row per image: accepted (image_id set) or rejected (reason set)
+    ("source", pa.string()), ("image_id", pa.string()), ("image", pa.binary()), ("width", pa.int32()),
+    ("height", pa.int32()), ("orig_format", pa.string()), ("orig_width", pa.int32()), ("orig_height", pa.int32()),
+    ("references", pa.list_(pa.string())), ("reason", pa.string()), ("detail", pa.string()), ("size_bytes", pa.int64()),
+])
 
 
 def _result(source: str, data: bytes, refs: list[str], max_side: int, max_pixels: int) -> dict:
@@ -53,11 +61,14 @@ def process_item(item: dict, *, fs, kind: str, image_column: str | None, caption
 
 
 class ItemProcessor:
-    """``process_item`` with the stage's parameters bound: the callable class that the preprocess
-    stage's Ray Data actor pool runs (see ``tasks/preprocess.py`` for why actors, not tasks)."""
+    """``process_item`` over a block of work items, with the stage's parameters bound: the callable
+    class that the preprocess stage's Ray Data actor pool runs (see ``tasks/preprocess.py`` for why
+    actors, not tasks). A block in, one Arrow table of results out, built here with its schema
+    (a per-row ``flat_map`` had Ray Data hand each row over and infer the column types)."""
 
     def __init__(self, **params):
         self.params = params
 
-    def __call__(self, item: dict) -> list[dict]:
-        return process_item(item, **self.params)
+    def __call__(self, items: pa.Table) -> pa.Table:
+        rows = [row for item in items.to_pylist() for row in process_item(item, **self.params)]
+        return pa.Table.from_pylist(rows, schema=RESULT_SCHEMA)

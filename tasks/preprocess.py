@@ -1,7 +1,7 @@
 """Stage 2, preprocess: decode, check and normalise every listed input; write Parquet shards.
 
 A streaming Ray Data pipeline: the listing becomes work items (one per image file, or one per
-Parquet row group), ``flat_map`` decodes and normalises them on every core, and the driver
+Parquet row group), ``map_batches`` decodes and normalises them on every core, and the driver
 pulls the results in listing order and commits them: accepted rows into shards
 (``shards/part-NNNNN.parquet``, bounded in rows and bytes), rejected inputs into
 ``quarantine.parquet`` with a reason from ``captionflow.images.REASONS``. Memory stays bounded
@@ -159,8 +159,8 @@ def preprocess(ing: IngestResult, cfg: RunConfig) -> dict:
         # An actor pool, one actor per core, each sent its next block while it works on the current
         # one: plain tasks left each core idle ~0.17 s between one task and the next (the driver has
         # to see the end of one before it sends the next), ~10% of the stage on 2 cores.
-        ds = (ray.data.from_blocks(blocks) if blocks else ray.data.from_items([])).flat_map(
-            ItemProcessor, num_cpus=per_task,
+        ds = (ray.data.from_blocks(blocks) if blocks else ray.data.from_items([])).map_batches(
+            ItemProcessor, batch_size=None, batch_format="pyarrow", zero_copy_batch=True, num_cpus=per_task,
             fn_constructor_kwargs=dict(fs=fs, kind=ing.kind, image_column=ing.image_column,
                                        caption_column=ing.caption_column, references=ing.references,
                                        max_side=params["max_image_side"], max_pixels=params["max_input_pixels"]),
