@@ -88,7 +88,7 @@ def render_report(model_source: str, manifest: dict, inference: dict, metrics: d
     s, ref = metrics["stats"], metrics["reference"]
     c = manifest["counts"]
     lines = [
-        f"# captionflow report", "",
+        "# captionflow report", "",
         f"- model: `{model_source}`", f"- dataset: `{manifest['source']}` (`{manifest['dataset_fingerprint']}`)",
         f"- inputs: {c['listed']} listed, {c['accepted']} accepted, {c['quarantined']} quarantined, "
         f"{c['duplicates']} duplicates", f"- captioned: {inference['captioned']}, failed: {inference['failed']}", "",

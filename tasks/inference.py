@@ -58,7 +58,7 @@ WORKER_ENV = {
 
 # Only for a Ray this process starts (a cluster's settings are its own). It has no dashboard, so no
 # one reads its Prometheus metrics; collecting them cost every Ray process CPU: off, the preprocess
-# stage ran ~6% faster on 2 cores (6 of 6 interleaved pairs, README "Benchmarks"). Set
+# stage ran ~7% faster on 2 cores (6 of 6 interleaved pairs, README "Benchmarks"). Set
 # RAY_enable_metrics_collection=1 to keep them.
 LOCAL_RAY_ENV = {"RAY_enable_metrics_collection": "0"}
 
