@@ -20,25 +20,16 @@ import pyarrow.compute as pc
 from prefect import task
 
 from captionflow.config import RunConfig
-from captionflow.preprocess_items import ItemProcessor
+from captionflow.preprocess_items import RESULT_SCHEMA, ItemProcessor
 from captionflow.retry import retry_transient
 from captionflow.storage import Store, open_fs
 from tasks.ingest import SCHEMA_VERSION, IngestResult
 
-SHARD_SCHEMA = pa.schema([
-    ("image_id", pa.string()),
-    ("source", pa.string()),
-    ("image", pa.binary()),  # RGB JPEG, longest side <= max_image_side
-    ("width", pa.int32()),
-    ("height", pa.int32()),
-    ("orig_format", pa.string()),
-    ("orig_width", pa.int32()),
-    ("orig_height", pa.int32()),
-    ("references", pa.list_(pa.string())),
-])
-QUARANTINE_SCHEMA = pa.schema([
-    ("source", pa.string()), ("reason", pa.string()), ("detail", pa.string()), ("size_bytes", pa.int64()),
-])
+# The workers' result columns (RESULT_SCHEMA), split: accepted rows into shards (image: RGB JPEG,
+# longest side <= max_image_side), rejected inputs into quarantine.parquet.
+SHARD_SCHEMA = pa.schema([RESULT_SCHEMA.field(n) for n in (
+    "image_id", "source", "image", "width", "height", "orig_format", "orig_width", "orig_height", "references")])
+QUARANTINE_SCHEMA = pa.schema([RESULT_SCHEMA.field(n) for n in ("source", "reason", "detail", "size_bytes")])
 SMALLEST_TASK, LARGEST_TASK = 32, 128  # image files per preprocess task (see task_sizes)
 
 
