@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import typing
 
@@ -148,6 +149,8 @@ def cmd_demo_data(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # No network at run time: the temporary Prefect server's telemetry would try (and log an ERROR).
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     parser = argparse.ArgumentParser(prog="captionflow", description="Batch image captioning and VLM checkpoint evaluation.")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the flow: ingest, preprocess, inference, evaluate")

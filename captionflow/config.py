@@ -44,6 +44,10 @@ class RunConfig(BaseModel):
     max_input_pixels: int = Field(
         64_000_000, ge=1, title="Pixel budget per input image",
         description="Inputs with more pixels are quarantined from their header, before decoding (decompression bombs).")
+    max_input_mb: int = Field(
+        512, ge=1, title="Byte budget per input (MB)",
+        description="Larger inputs are quarantined (too_large) from the listing's size, without being read: "
+                    "a video or an archive among the images must not fill a worker's memory.")
     image_column: Optional[str] = Field(
         None, title="Parquet image column", description="Default: the first of image, img, image_bytes, jpg, png.")
     caption_column: Optional[str] = Field(

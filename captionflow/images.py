@@ -16,12 +16,15 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 # The quarantine vocabulary: every rejected input carries exactly one of these.
 REASONS = {
     "empty_file": "the file has zero bytes",
-    "unreadable": "the file could not be read from storage",
+    "unreadable": "the file could not be read from storage, or is not a regular file (FIFO, broken link, ...)",
+    "too_large": "the file is larger than the byte budget (max_input_mb), known before it is read",
     "not_an_image": "no image format recognised from the content (e.g. HTML, text, random bytes)",
+    "unsupported_format": "an image container this installation cannot decode (HEIC/HEIF, AVIF without a plugin, JPEG XL)",
     "decode_error": "the header parsed but the pixels did not decode (truncated or corrupt)",
     "too_many_pixels": "width x height exceeds the pixel budget (decompression-bomb guard), checked before decoding",
-    "too_small": "the shorter side is below the minimum the model's processor accepts",
-    "extreme_aspect_ratio": "long side / short side exceeds what the model's processor accepts (Qwen2-VL: 200)",
+    "too_small": "the shorter side is below MIN_SIDE px, as given or once the long side is bounded",
+    "extreme_aspect_ratio": "long side / short side over what the model's processor accepts (Qwen2-VL: 200), "
+                            "as given or once the long side is bounded",
     "duplicate": "same content hash as an input already accepted (kept once; detail names it)",
 }
 
@@ -55,15 +58,27 @@ class Rejected(Exception):
 
 _MAGIC = [
     (b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"),
-    (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"), (b"BM", "BMP"),
+    (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"), (b"BM", "BMP"), (b"8BPS", "PSD"),
 ]
+
+
+# ISO base media file brands (bytes 8-12, after "ftyp") of still-image formats
+_ISOBMFF_IMAGE_BRANDS = {b"heic": "HEIC", b"heix": "HEIC", b"heim": "HEIC", b"heis": "HEIC", b"hevc": "HEIC",
+                         b"hevx": "HEIC", b"mif1": "HEIF", b"msf1": "HEIF", b"avif": "AVIF", b"avis": "AVIF"}
 
 
 def sniff_format(data: bytes) -> str | None:
     """The image format a file's first bytes announce, if any."""
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "WEBP"
+    if data[4:8] == b"ftyp" and data[8:12] in _ISOBMFF_IMAGE_BRANDS:
+        return _ISOBMFF_IMAGE_BRANDS[data[8:12]]
+    if data.startswith((b"\xff\x0a", b"\x00\x00\x00\x0cJXL \r\n\x87\n")):
+        return "JPEG XL"
     return next((name for magic, name in _MAGIC if data.startswith(magic)), None)
+
+
+_UNDECODABLE_HERE = {"HEIC", "HEIF", "AVIF", "JPEG XL"}  # PIL without a plugin does not identify these
 
 
 def content_id(data: bytes) -> str:
@@ -95,6 +110,13 @@ def _to_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
+def _check_shape(w: int, h: int, when: str) -> None:
+    if min(w, h) < MIN_SIDE:
+        raise Rejected("too_small", f"{w}x{h}{when}: shorter side < {MIN_SIDE} px")
+    if max(w, h) / min(w, h) > MAX_ASPECT_RATIO:
+        raise Rejected("extreme_aspect_ratio", f"{w}x{h}{when}: ratio > {MAX_ASPECT_RATIO:g}")
+
+
 def normalise_image(data: bytes, max_side: int, max_input_pixels: int = MAX_INPUT_PIXELS) -> Normalised:
     """Check and normalise one encoded image. Raises Rejected with a reason from REASONS."""
     if not data:
@@ -103,6 +125,8 @@ def normalise_image(data: bytes, max_side: int, max_input_pixels: int = MAX_INPU
         im = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
         fmt = sniff_format(data)
+        if fmt in _UNDECODABLE_HERE:
+            raise Rejected("unsupported_format", f"{fmt} content: no decoder for it in this installation") from None
         if fmt:  # an image signature whose header does not parse: a broken image, not a non-image
             raise Rejected("decode_error", f"{fmt} signature but the header does not parse ({len(data)} bytes)") from None
         raise Rejected("not_an_image", f"no image format recognised; content starts {data[:24]!r}") from None
@@ -123,13 +147,12 @@ def normalise_image(data: bytes, max_side: int, max_input_pixels: int = MAX_INPU
         raise
     except Exception as e:
         raise Rejected("decode_error", f"{fmt}: {type(e).__name__}: {e}"[:300]) from None
-    w2, h2 = rgb.size
-    if min(w2, h2) < MIN_SIDE:
-        raise Rejected("too_small", f"{w2}x{h2}: shorter side < {MIN_SIDE} px")
-    if max(w2, h2) / min(w2, h2) > MAX_ASPECT_RATIO:
-        raise Rejected("extreme_aspect_ratio", f"{w2}x{h2}: ratio > {MAX_ASPECT_RATIO:g}")
-    if max(w2, h2) > max_side:
+    _check_shape(*rgb.size, "")
+    if max(rgb.size) > max_side:
+        size = rgb.size
         rgb.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
+        # what the model gets must pass too: 2000x10 (ratio 200) bounded to 448 px is 448x2
+        _check_shape(*rgb.size, f" once the long side is bounded to {max_side} px (was {size[0]}x{size[1]})")
     out = io.BytesIO()
     rgb.save(out, format="JPEG", quality=JPEG_QUALITY)
     return Normalised(

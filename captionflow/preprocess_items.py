@@ -18,11 +18,13 @@ RESULT_SCHEMA = pa.schema([  # one row per image: accepted (image_id set) or rej
 ])
 
 
-def _result(source: str, data: bytes, refs: list[str], max_side: int, max_pixels: int) -> dict:
+def _result(source: str, data: bytes, refs: list[str], max_side: int, max_pixels: int, max_bytes: int) -> dict:
     row = {"source": source, "image_id": "", "image": b"", "width": 0, "height": 0, "orig_format": "",
            "orig_width": 0, "orig_height": 0, "references": refs, "reason": "", "detail": "",
            "size_bytes": len(data)}
     try:
+        if len(data) > max_bytes:
+            raise Rejected("too_large", f"{len(data)} bytes > budget {max_bytes}")
         n = normalise_image(data, max_side, max_pixels)
     except Rejected as r:
         row.update(reason=r.reason, detail=r.detail)
@@ -32,19 +34,29 @@ def _result(source: str, data: bytes, refs: list[str], max_side: int, max_pixels
     return row
 
 
+def _rejected(source: str, refs: list[str], reason: str, detail: str, size: int) -> dict:
+    return {**_result(source, b"", refs, 0, 0, 0), "reason": reason, "detail": detail[:300], "size_bytes": size}
+
+
 def process_item(item: dict, *, fs, kind: str, image_column: str | None, caption_column: str | None,
-                  references: dict, max_side: int, max_pixels: int) -> list[dict]:
+                 references: dict, max_side: int, max_pixels: int, max_bytes: int) -> list[dict]:
     """One work item -> result rows (accepted: image_id set; rejected: reason set)."""
+    path = item["path"].decode("utf-8", "surrogateescape")
     if kind == "images":
+        refs = references.get(item["name"], [])
+        if item["problem"]:  # listed, but must not be opened (a FIFO would block this worker forever)
+            return [_rejected(item["name"], refs, "unreadable", item["problem"], item["size"])]
+        if item["size"] > max_bytes:  # known from the listing: not read at all
+            return [_rejected(item["name"], refs, "too_large", f"{item['size']} bytes > budget {max_bytes}",
+                              item["size"])]
         try:
-            data = fs.cat_file(item["path"])
+            data = fs.cat_file(path)
         except OSError as e:
-            return [{**_result(item["name"], b"", [], max_side, max_pixels), "reason": "unreadable",
-                     "detail": f"{type(e).__name__}: {e}"[:300], "size_bytes": item["size"]}]
-        return [_result(item["name"], data, references.get(item["name"], []), max_side, max_pixels)]
+            return [_rejected(item["name"], refs, "unreadable", f"{type(e).__name__}: {e}", item["size"])]
+        return [_result(item["name"], data, refs, max_side, max_pixels, max_bytes)]
     import pyarrow.parquet as pq
 
-    with fs.open(item["path"], "rb") as fh:
+    with fs.open(path, "rb") as fh:
         cols = [image_column] + ([caption_column] if caption_column else [])
         t = pq.ParquetFile(fh).read_row_group(item["row_group"], columns=cols)
     out = []
@@ -52,12 +64,42 @@ def process_item(item: dict, *, fs, kind: str, image_column: str | None, caption
     caps = t.column(caption_column).to_pylist() if caption_column else [None] * len(images)
     for i, (img, cap) in enumerate(zip(images, caps)):
         source = f"{item['name']}#{item['first_row'] + i}"
-        if isinstance(img, dict):
-            source = f"{source}:{img.get('path')}" if img.get("path") else source
+        refs = [cap] if isinstance(cap, str) else [str(c) for c in cap if c is not None] if cap else []
+        if isinstance(img, dict):  # Hugging Face datasets' Image feature: {bytes, path}
+            ref = img.get("path")
+            source = f"{source}:{ref}" if ref else source
             img = img.get("bytes")
-        refs = [cap] if isinstance(cap, str) else [str(c) for c in cap] if cap else []
-        out.append(_result(source, img or b"", refs, max_side, max_pixels))
+            if img is None and ref:  # an image stored by path, not embedded
+                out.append(_by_path(fs, path, ref, source, refs, max_side, max_pixels, max_bytes))
+                continue
+        if img is None:
+            out.append(_rejected(source, refs, "empty_file", "the image is null in this row", 0))
+            continue
+        out.append(_result(source, img, refs, max_side, max_pixels, max_bytes))
     return out
+
+
+def _by_path(fs, parquet_path: str, ref: str, source: str, refs: list[str], max_side: int, max_pixels: int,
+             max_bytes: int) -> dict:
+    """A row whose image is only a path: read it, relative to the Parquet file's folder unless absolute
+    (a URI with a protocol is read with its own filesystem)."""
+    import posixpath
+
+    import fsspec
+
+    try:
+        if "://" in ref:
+            rfs, rpath = fsspec.core.url_to_fs(ref)
+        else:
+            rfs, rpath = fs, ref if ref.startswith("/") else posixpath.join(posixpath.dirname(parquet_path), ref)
+        size = rfs.size(rpath)
+        if size > max_bytes:
+            return _rejected(source, refs, "too_large", f"{ref}: {size} bytes > budget {max_bytes}", size)
+        data = rfs.cat_file(rpath)
+    except Exception as e:  # missing file, no access, unknown protocol
+        return _rejected(source, refs, "unreadable", f"no image bytes in the row; its path {ref!r}: "
+                         f"{type(e).__name__}: {e}", 0)
+    return _result(source, data, refs, max_side, max_pixels, max_bytes)
 
 
 class ItemProcessor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 
 from prefect import task
@@ -29,6 +30,8 @@ from captionflow.retry import retry_transient
 from captionflow.storage import Store, open_fs
 
 SCHEMA_VERSION = 1
+LARGE_ROW_GROUP = 512 * 2**20  # bytes; a preprocess worker holds about twice a row group's image column
+log = logging.getLogger(__name__)
 SIDECAR_NAMES = ("captions.jsonl", "captions.csv")
 IMAGE_COLUMNS = ("image", "img", "image_bytes", "jpg", "png")
 CAPTION_COLUMNS = ("captions", "caption", "text", "sentences", "references")
@@ -91,10 +94,39 @@ class Listing:
     caption_column: str | None = None
 
 
-def _file_info(path: str, name: str, info: dict) -> dict:
+def display_name(name: str) -> str:
+    """A file name as valid UTF-8 text: bytes that are not UTF-8 (a Latin-1 name on a local disk,
+    which Python reads as surrogate escapes) are shown as backslash escapes, e.g. ``caf\\xe9.jpg``.
+    The file is still read by its real path."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _file_info(path: str, name: str, info: dict, problem: str = "") -> dict:
+    """One listed input. ``problem`` (set for what is listed but must not be opened: a FIFO, a broken
+    link) makes preprocess quarantine it as ``unreadable`` without reading it."""
     mtime = info.get("mtime") or info.get("LastModified") or info.get("created") or ""
-    return {"path": path, "name": name, "size": int(info.get("size") or 0), "mtime": str(mtime),
-            "etag": str(info.get("ETag") or "")}
+    return {"path": path, "name": display_name(name), "size": int(info.get("size") or 0), "mtime": str(mtime),
+            "etag": str(info.get("ETag") or ""), "problem": problem}
+
+
+def _local_special(path: str, info: dict) -> tuple[dict, str]:
+    """A local entry that is not a plain file (fsspec lists it as type "other"): a symbolic link
+    to a file is read through (size and mtime of the target); anything else is listed with the
+    problem that keeps it from being opened (reading a FIFO would block the run forever)."""
+    import os
+    import stat
+
+    link = f"symbolic link to {info['destination']!r}" if info.get("islink") else ""
+    try:
+        st = os.stat(path)  # follows links
+    except OSError as e:
+        return info, f"broken {link}: {type(e).__name__}: {e.strerror}" if link else f"{type(e).__name__}: {e}"
+    if stat.S_ISREG(st.st_mode):
+        return {**info, "size": st.st_size, "mtime": st.st_mtime}, ""
+    what = ("a directory (not followed: links can loop)" if stat.S_ISDIR(st.st_mode) else
+            "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else
+            "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a regular file")
+    return info, f"{link}: {what}" if link else f"not a regular file: {what}"
 
 
 def list_source(uri: str, image_column: str | None = None, caption_column: str | None = None) -> Listing:
@@ -121,7 +153,10 @@ def list_source(uri: str, image_column: str | None = None, caption_column: str |
             if rel in SIDECAR_NAMES:
                 refs.update(_read_sidecar(fs, path))
                 continue
-            files.append(_file_info(path, rel, info))
+            problem = ""
+            if info.get("type") not in ("file", None) and protocol in ("file", "local"):
+                info, problem = _local_special(path, info)
+            files.append(_file_info(path, rel, info, problem))
         if not files:
             raise DatasetError(f"dataset {uri!r} contains no files")
         if not all(f["name"].endswith(".parquet") for f in files):
@@ -141,6 +176,10 @@ def _parquet_listing(fs, source: str, files: list[dict], image_column: str | Non
                 meta = pq.ParquetFile(fh)
                 f["rows"] = meta.metadata.num_rows
                 f["row_groups"] = meta.metadata.num_row_groups
+                largest = max((meta.metadata.row_group(g).total_byte_size for g in range(f["row_groups"])), default=0)
+                if largest > LARGE_ROW_GROUP:
+                    log.warning("%s: a row group of %d MB; each preprocess worker holds about twice one row group "
+                                "in memory: rewrite with smaller row groups (README, Sources)", f["path"], largest >> 20)
                 schema = schema or meta.schema_arrow
         except Exception as e:
             raise DatasetError(f"{f['path']}: not a readable Parquet file ({type(e).__name__}: {e})") from None
@@ -163,7 +202,7 @@ def ingest(cfg: RunConfig) -> IngestResult:
     """List the dataset and decide whether its preprocessed form already exists."""
     listing = list_source(resolve_dataset(cfg.dataset), cfg.image_column, cfg.caption_column)
     params = {"max_image_side": cfg.max_image_side, "shard_rows": cfg.shard_rows, "shard_mb": cfg.shard_mb,
-              "max_input_pixels": cfg.max_input_pixels, "schema_version": SCHEMA_VERSION,
+              "max_input_pixels": cfg.max_input_pixels, "max_input_mb": cfg.max_input_mb, "schema_version": SCHEMA_VERSION,
               "image_column": listing.image_column, "caption_column": listing.caption_column}
     fp = digest({
         "files": [(f["name"], f["size"], f["mtime"], f["etag"]) for f in listing.files],

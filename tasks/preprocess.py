@@ -39,9 +39,11 @@ def shard_paths(store: Store, manifest: dict) -> list[str]:
 
 
 def work_items(ing: IngestResult) -> list[dict]:
+    """One item per image file or Parquet row group. ``path`` travels as bytes (``surrogateescape``):
+    a local file name need not be valid UTF-8, an Arrow string must be."""
     if ing.kind == "images":
-        return [{"path": f["path"], "name": f["name"], "size": f["size"], "row_group": -1, "first_row": 0}
-                for f in ing.files]
+        return [{"path": f["path"].encode("utf-8", "surrogateescape"), "name": f["name"], "size": f["size"],
+                 "problem": f.get("problem", ""), "row_group": -1, "first_row": 0} for f in ing.files]
     items = []
     fs, _ = open_fs(ing.source)
     import pyarrow.parquet as pq
@@ -51,7 +53,8 @@ def work_items(ing: IngestResult) -> list[dict]:
             meta = pq.ParquetFile(fh).metadata
         first = 0
         for g in range(meta.num_row_groups):
-            items.append({"path": f["path"], "name": f["name"], "size": f["size"], "row_group": g, "first_row": first})
+            items.append({"path": f["path"].encode("utf-8", "surrogateescape"), "name": f["name"], "size": f["size"],
+                          "problem": "", "row_group": g, "first_row": first})
             first += meta.row_group(g).num_rows
     return items
 
@@ -154,7 +157,8 @@ def preprocess(ing: IngestResult, cfg: RunConfig) -> dict:
             ItemProcessor, batch_size=None, batch_format="pyarrow", zero_copy_batch=True, num_cpus=per_task,
             fn_constructor_kwargs=dict(fs=fs, kind=ing.kind, image_column=ing.image_column,
                                        caption_column=ing.caption_column, references=ing.references,
-                                       max_side=params["max_image_side"], max_pixels=params["max_input_pixels"]),
+                                       max_side=params["max_image_side"], max_pixels=params["max_input_pixels"],
+                                       max_bytes=params["max_input_mb"] * 2**20),
             compute=ray.data.ActorPoolStrategy(size=max(1, min(workers, len(blocks))),
                                                max_tasks_in_flight_per_actor=2))
     finally:

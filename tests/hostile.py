@@ -70,6 +70,18 @@ def build_corpus(root: Path) -> dict[str, str]:
     files["ünïcödé näme with spaces.jpg"] = (_save(photo.rotate(180), "JPEG"), ACCEPTED)
     files["no_extension"] = (_save(photo.rotate(45), "PNG"), ACCEPTED)  # format from content, not the name
     files["sub dir/nested/deep.webp"] = (_save(photo.rotate(10), "WEBP"), ACCEPTED)
+    files["banner_2000x10.png"] = (_save(Image.new("RGB", (2000, 10), "green"), "PNG"), "too_small")  # 448x2 once bounded
+    files["bilevel.png"] = (_save(photo.convert("1"), "PNG"), ACCEPTED)
+    files["float32.tif"] = (_save(photo.convert("F"), "TIFF"), ACCEPTED)
+    files["int32.tif"] = (_save(photo.convert("I"), "TIFF"), ACCEPTED)
+    files["lab.tif"] = (_save(photo.convert("LAB"), "TIFF"), ACCEPTED)
+    files["photo.jp2"] = (_save(photo.rotate(15), "JPEG2000"), ACCEPTED)
+    files["photo.bmp"] = (_save(photo.rotate(16), "BMP"), ACCEPTED)
+    files["iphone.heic"] = (b"\0\0\0\x18ftypheic\0\0\0\0mif1heic" + bytes(200), "unsupported_format")
+    files["photo.jxl"] = (b"\xff\x0a" + bytes(rng.getrandbits(8) for _ in range(200)), "unsupported_format")
+    files["broken.psd"] = (b"8BPS\0\1" + bytes(20), "decode_error")
+    files["report.pdf"] = (b"%PDF-1.4\n1 0 obj<<>>endobj\ntrailer<<>>\n%%EOF", "not_an_image")
+    files["gzipped.jpg"] = (zlib.compress(jpg), "not_an_image")
     files["sub dir/copy of photo.jpg"] = (jpg, "duplicate")
     files["sub dir/second copy.jpg"] = (jpg, "duplicate")
     for rel, (data, _) in files.items():
@@ -80,3 +92,23 @@ def build_corpus(root: Path) -> dict[str, str]:
     os.makedirs(root / ".cache", exist_ok=True)
     (root / ".cache" / "x.jpg").write_bytes(jpg)
     return {rel: expected for rel, (_, expected) in files.items()}
+
+
+def add_local_specials(root: Path, outside: Path) -> dict[str, str]:
+    """Entries only a local disk has, added to a corpus under ``root``: a file name that is not UTF-8,
+    a FIFO (opening it would block forever), links (to a file outside the corpus, broken, to a
+    folder) and a sparse 600 MB file (over the default 512 MB budget: quarantined unread).
+    Returns {source as listed: expected outcome}."""
+    outside.mkdir(parents=True, exist_ok=True)
+    photo = Image.effect_mandelbrot((200, 150), (-2, -1.2, 1, 1.2), 48).convert("RGB")
+    with open(os.path.join(os.fsencode(root), b"caf\xe9 latin-1.jpg"), "wb") as fh:
+        fh.write(_save(photo.rotate(3), "JPEG"))
+    os.mkfifo(root / "pipe.jpg")
+    (outside / "linked.png").write_bytes(_save(photo.rotate(5), "PNG"))
+    os.symlink(outside / "linked.png", root / "link_to_outside.png")
+    os.symlink(outside / "missing.jpg", root / "broken_link.jpg")
+    os.symlink(outside, root / "linked_folder")
+    with open(root / "sparse_600mb.jpg", "wb") as fh:
+        fh.truncate(600 * 2**20)
+    return {"caf\\xe9 latin-1.jpg": ACCEPTED, "pipe.jpg": "unreadable", "link_to_outside.png": ACCEPTED,
+            "broken_link.jpg": "unreadable", "linked_folder": "unreadable", "sparse_600mb.jpg": "too_large"}

@@ -13,7 +13,7 @@ from PIL import Image
 
 from captionflow.config import RunConfig
 from captionflow.storage import Store
-from hostile import ACCEPTED, build_corpus
+from hostile import ACCEPTED, add_local_specials, build_corpus
 from tasks.ingest import DatasetError, ingest
 from tasks.preprocess import LARGEST_TASK, SMALLEST_TASK, preprocess, task_sizes
 
@@ -33,6 +33,7 @@ def _outcomes(cfg: RunConfig, manifest: dict) -> dict[str, str]:
 
 def test_hostile_corpus_every_file_in_exactly_one_place(tmp_path):
     expected = build_corpus(tmp_path / "corpus")
+    expected.update(add_local_specials(tmp_path / "corpus", tmp_path / "outside"))
     cfg = RunConfig(dataset=str(tmp_path / "corpus"), output=str(tmp_path / "out"), shard_rows=4)
     ing = ingest(cfg)
     assert ing.n_inputs == len(expected)  # hidden files are not inputs
@@ -50,6 +51,12 @@ def test_hostile_corpus_every_file_in_exactly_one_place(tmp_path):
     assert (by_source["exif_rotated.jpg"]["width"], by_source["exif_rotated.jpg"]["height"]) == (100, 300)
     assert by_source["huge_8000x6000.jpg"]["orig_width"] == 8000
     assert by_source["animated.gif"]["orig_format"] == "GIF"
+    q = {r["source"]: r for r in store.read_table(store.path("datasets", m["dataset_fingerprint"],
+                                                             "quarantine.parquet")).to_pylist()}
+    assert "FIFO" in q["pipe.jpg"]["detail"] and "broken symbolic link" in q["broken_link.jpg"]["detail"]
+    assert "directory" in q["linked_folder"]["detail"]
+    assert q["sparse_600mb.jpg"]["size_bytes"] == 600 * 2**20
+    assert "448x2 once the long side is bounded" in q["banner_2000x10.png"]["detail"]
 
 
 def test_golden_skip_and_change_detection(tmp_path):
@@ -146,6 +153,30 @@ def test_parquet_dataset_with_struct_images_and_captions(tmp_path):
     store = Store(cfg.output)
     rows = store.read_tables([store.path("datasets", m["dataset_fingerprint"], "shards", s) for s in m["shards"]]).to_pylist()
     assert all(r["references"] and r["references"][1] == "another" for r in rows)
+
+
+def test_parquet_rows_without_embedded_bytes(tmp_path):
+    """Rows that hold an image by path only (relative to the Parquet file's folder, or absolute), a
+    path that does not exist and null images: read, or quarantined with the reason; none dropped."""
+    (tmp_path / "ds" / "imgs").mkdir(parents=True)
+    Image.new("RGB", (64, 48), "red").save(tmp_path / "ds" / "imgs" / "a.png")
+    Image.new("RGB", (64, 48), "blue").save(tmp_path / "abs.png")
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    recs = [{"image": {"bytes": None, "path": "imgs/a.png"}, "caption": "red"},
+            {"image": {"bytes": None, "path": str(tmp_path / "abs.png")}, "caption": None},
+            {"image": {"bytes": None, "path": "imgs/missing.png"}, "caption": "x"},
+            {"image": None, "caption": "null image"},
+            {"image": {"bytes": None, "path": None}, "caption": "neither"}]
+    pq.write_table(pa.Table.from_pylist(recs, schema=pa.schema([("image", struct), ("caption", pa.string())])),
+                   tmp_path / "ds" / "train.parquet")
+    cfg = RunConfig(dataset=str(tmp_path / "ds" / "train.parquet"), output=str(tmp_path / "out"))
+    m = preprocess(ingest(cfg), cfg)
+    assert _outcomes(cfg, m) == {
+        "train.parquet#0:imgs/a.png": ACCEPTED, f"train.parquet#1:{tmp_path / 'abs.png'}": ACCEPTED,
+        "train.parquet#2:imgs/missing.png": "unreadable", "train.parquet#3": "empty_file", "train.parquet#4": "empty_file"}
+    store = Store(cfg.output)
+    rows = store.read_tables([store.path("datasets", m["dataset_fingerprint"], "shards", s) for s in m["shards"]])
+    assert rows.column("references").to_pylist() == [["red"], []]
 
 
 def test_bad_sources_say_what_and_where(tmp_path):
