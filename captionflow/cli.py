@@ -43,8 +43,8 @@ def _summary_text(s: dict) -> str:
         f"{c['duplicates']} duplicates",
         f"  captions  {c['captioned']} captioned, {c['failed']} failed"
         + (f" ({s['resumed_from']} from an earlier run)" if s.get("resumed_from") else ""),
-        "  metrics   " + ", ".join(f"{k} {ref[k]:.4f}" for k in ("bleu_4", "rouge_l", "cider") if k in ref)
-        + f", mean words {m['stats']['words']['mean']:.1f}",
+        "  metrics   " + ", ".join([f"{k} {ref[k]:.4f}" for k in ("bleu_4", "rouge_l", "cider") if k in ref]
+                                   + [f"mean words {m['stats']['words']['mean']:.1f}"]),
         "  time      " + ", ".join(f"{k} {v}s" for k, v in t.items()),
         f"  report    {s['report']}",
     ]

@@ -64,7 +64,11 @@ def resolve_dataset(dataset: str) -> str:
 
 
 def _read_sidecar(fs, path: str) -> dict[str, list[str]]:
-    raw = fs.cat_file(path).decode("utf-8")
+    try:  # utf-8-sig: a spreadsheet's CSV export starts with a byte-order mark
+        raw = fs.cat_file(path).decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); "
+                           "save the captions file as UTF-8") from None
     refs: dict[str, list[str]] = {}
     if path.endswith(".jsonl"):
         for n, line in enumerate(raw.splitlines(), 1):
@@ -149,6 +153,8 @@ def list_source(uri: str, image_column: str | None = None, caption_column: str |
         for path, info in sorted(fs.find(root, detail=True).items()):
             rel = path[len(root):].lstrip("/")
             if not rel or any(part.startswith(".") for part in rel.split("/")):
+                continue
+            if path.endswith("/") or info.get("type") == "directory":  # an object store's folder marker
                 continue
             if rel in SIDECAR_NAMES:
                 refs.update(_read_sidecar(fs, path))

@@ -179,6 +179,26 @@ def test_parquet_rows_without_embedded_bytes(tmp_path):
     assert rows.column("references").to_pylist() == [["red"], []]
 
 
+def test_caption_sidecars_csv_with_bom_jsonl_and_bad_encoding(tmp_path):
+    (tmp_path / "ds").mkdir()
+    Image.new("RGB", (32, 32), "red").save(tmp_path / "ds" / "a.png")
+    Image.new("RGB", (32, 32), "blue").save(tmp_path / "ds" / "b.png")
+    sidecar = tmp_path / "ds" / "captions.csv"  # as a spreadsheet exports it: UTF-8 with a byte-order mark
+    sidecar.write_bytes("file_name,caption\na.png,un carré rouge\na.png,red\nb.png,blue\n".encode("utf-8-sig"))
+    cfg = RunConfig(dataset=str(tmp_path / "ds"), output=str(tmp_path / "out"))
+    ing = ingest(cfg)
+    assert ing.references == {"a.png": ["un carré rouge", "red"], "b.png": ["blue"]} and ing.n_inputs == 2
+    sidecar.unlink()
+    (tmp_path / "ds" / "captions.jsonl").write_text('{"file_name": "b.png", "captions": "blue"}\n\n', encoding="utf-8")
+    assert ingest(cfg).references == {"b.png": ["blue"]}
+    (tmp_path / "ds" / "captions.jsonl").write_bytes('{"file_name": "a.png", "captions": "carré"}\n'.encode("latin-1"))
+    with pytest.raises(DatasetError, match=r"captions.jsonl: not UTF-8 text"):
+        ingest(cfg)
+    (tmp_path / "ds" / "captions.jsonl").write_text('{"file": "a.png"}\n', encoding="utf-8")
+    with pytest.raises(DatasetError, match=r"captions.jsonl:1: expected"):
+        ingest(cfg)
+
+
 def test_bad_sources_say_what_and_where(tmp_path):
     with pytest.raises(DatasetError, match="does not exist"):
         ingest(RunConfig(dataset=str(tmp_path / "missing"), output=str(tmp_path / "o")))
@@ -198,6 +218,7 @@ def test_s3_source_and_output(s3_bucket, tmp_path):
     s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
     for rel in expected:
         s3.upload_file(str(tmp_path / "corpus" / rel), s3_bucket, f"images/{rel}")
+    s3.put_object(Bucket=s3_bucket, Key="images/sub dir/", Body=b"")  # a console "folder": not an input
     cfg = RunConfig(dataset=f"s3://{s3_bucket}/images", output=f"s3://{s3_bucket}/out")
     ing = ingest(cfg)
     assert ing.n_inputs == len(expected) and all(f["etag"] for f in ing.files)
