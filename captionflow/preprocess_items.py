@@ -18,10 +18,15 @@ RESULT_SCHEMA = pa.schema([  # one row per image: accepted (image_id set) or rej
 ])
 
 
+def _row(source: str, refs: list[str], reason: str, detail: str, size: int) -> dict:
+    """A result row, so far without an image (a rejected input keeps it so)."""
+    return {"source": source, "image_id": "", "image": b"", "width": 0, "height": 0, "orig_format": "",
+            "orig_width": 0, "orig_height": 0, "references": refs, "reason": reason, "detail": detail[:300],
+            "size_bytes": size}
+
+
 def _result(source: str, data: bytes, refs: list[str], max_side: int, max_pixels: int, max_bytes: int) -> dict:
-    row = {"source": source, "image_id": "", "image": b"", "width": 0, "height": 0, "orig_format": "",
-           "orig_width": 0, "orig_height": 0, "references": refs, "reason": "", "detail": "",
-           "size_bytes": len(data)}
+    row = _row(source, refs, "", "", len(data))
     try:
         if len(data) > max_bytes:
             raise Rejected("too_large", f"{len(data)} bytes > budget {max_bytes}")
@@ -34,10 +39,6 @@ def _result(source: str, data: bytes, refs: list[str], max_side: int, max_pixels
     return row
 
 
-def _rejected(source: str, refs: list[str], reason: str, detail: str, size: int) -> dict:
-    return {**_result(source, b"", refs, 0, 0, 0), "reason": reason, "detail": detail[:300], "size_bytes": size}
-
-
 def process_item(item: dict, *, fs, kind: str, image_column: str | None, caption_column: str | None,
                  references: dict, max_side: int, max_pixels: int, max_bytes: int) -> list[dict]:
     """One work item -> result rows (accepted: image_id set; rejected: reason set)."""
@@ -45,14 +46,14 @@ def process_item(item: dict, *, fs, kind: str, image_column: str | None, caption
     if kind == "images":
         refs = references.get(item["name"], [])
         if item["problem"]:  # listed, but must not be opened (a FIFO would block this worker forever)
-            return [_rejected(item["name"], refs, "unreadable", item["problem"], item["size"])]
+            return [_row(item["name"], refs, "unreadable", item["problem"], item["size"])]
         if item["size"] > max_bytes:  # known from the listing: not read at all
-            return [_rejected(item["name"], refs, "too_large", f"{item['size']} bytes > budget {max_bytes}",
-                              item["size"])]
+            return [_row(item["name"], refs, "too_large", f"{item['size']} bytes > budget {max_bytes}",
+                         item["size"])]
         try:
             data = fs.cat_file(path)
         except OSError as e:
-            return [_rejected(item["name"], refs, "unreadable", f"{type(e).__name__}: {e}", item["size"])]
+            return [_row(item["name"], refs, "unreadable", f"{type(e).__name__}: {e}", item["size"])]
         return [_result(item["name"], data, refs, max_side, max_pixels, max_bytes)]
     import pyarrow.parquet as pq
 
@@ -73,7 +74,7 @@ def process_item(item: dict, *, fs, kind: str, image_column: str | None, caption
                 out.append(_by_path(fs, path, ref, source, refs, max_side, max_pixels, max_bytes))
                 continue
         if img is None:
-            out.append(_rejected(source, refs, "empty_file", "the image is null in this row", 0))
+            out.append(_row(source, refs, "empty_file", "the image is null in this row", 0))
             continue
         out.append(_result(source, img, refs, max_side, max_pixels, max_bytes))
     return out
@@ -85,21 +86,37 @@ def _by_path(fs, parquet_path: str, ref: str, source: str, refs: list[str], max_
     (a URI with a protocol is read with its own filesystem)."""
     import posixpath
 
-    import fsspec
+    from captionflow.storage import open_fs
 
     try:
         if "://" in ref:
-            rfs, rpath = fsspec.core.url_to_fs(ref)
+            rfs, rpath = open_fs(ref)
         else:
             rfs, rpath = fs, ref if ref.startswith("/") else posixpath.join(posixpath.dirname(parquet_path), ref)
-        size = rfs.size(rpath)
+        size = _regular_file_size(rfs, rpath)
+        if size is None:  # a FIFO would block this worker forever
+            return _row(source, refs, "unreadable", f"{ref}: not a regular file", 0)
         if size > max_bytes:
-            return _rejected(source, refs, "too_large", f"{ref}: {size} bytes > budget {max_bytes}", size)
+            return _row(source, refs, "too_large", f"{ref}: {size} bytes > budget {max_bytes}", size)
         data = rfs.cat_file(rpath)
     except Exception as e:  # missing file, no access, unknown protocol
-        return _rejected(source, refs, "unreadable", f"no image bytes in the row; its path {ref!r}: "
-                         f"{type(e).__name__}: {e}", 0)
+        return _row(source, refs, "unreadable",
+                    f"no image bytes in the row; its path {ref!r}: {type(e).__name__}: {e}", 0)
     return _result(source, data, refs, max_side, max_pixels, max_bytes)
+
+
+def _regular_file_size(fs, path: str) -> int | None:
+    """Size of a regular file (a local link is followed); None for anything else."""
+    info = fs.info(path)
+    if info.get("type") == "file":
+        return int(info.get("size") or 0)
+    if info.get("islink"):
+        import os
+        import stat
+
+        st = os.stat(path)
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
+    return None
 
 
 class ItemProcessor:

@@ -166,14 +166,17 @@ def test_parquet_rows_without_embedded_bytes(tmp_path):
             {"image": {"bytes": None, "path": str(tmp_path / "abs.png")}, "caption": None},
             {"image": {"bytes": None, "path": "imgs/missing.png"}, "caption": "x"},
             {"image": None, "caption": "null image"},
-            {"image": {"bytes": None, "path": None}, "caption": "neither"}]
+            {"image": {"bytes": None, "path": None}, "caption": "neither"},
+            {"image": {"bytes": None, "path": "imgs/pipe"}, "caption": "a FIFO"}]
+    os.mkfifo(tmp_path / "ds" / "imgs" / "pipe")
     pq.write_table(pa.Table.from_pylist(recs, schema=pa.schema([("image", struct), ("caption", pa.string())])),
                    tmp_path / "ds" / "train.parquet")
     cfg = RunConfig(dataset=str(tmp_path / "ds" / "train.parquet"), output=str(tmp_path / "out"))
     m = preprocess(ingest(cfg), cfg)
     assert _outcomes(cfg, m) == {
         "train.parquet#0:imgs/a.png": ACCEPTED, f"train.parquet#1:{tmp_path / 'abs.png'}": ACCEPTED,
-        "train.parquet#2:imgs/missing.png": "unreadable", "train.parquet#3": "empty_file", "train.parquet#4": "empty_file"}
+        "train.parquet#2:imgs/missing.png": "unreadable", "train.parquet#3": "empty_file", "train.parquet#4": "empty_file",
+        "train.parquet#5:imgs/pipe": "unreadable"}
     store = Store(cfg.output)
     rows = store.read_tables([store.path("datasets", m["dataset_fingerprint"], "shards", s) for s in m["shards"]])
     assert rows.column("references").to_pylist() == [["red"], []]
