@@ -41,6 +41,8 @@ def _summary_text(s: dict) -> str:
         f"  run       {s['run_dir']}",
         f"  images    {c['total']} listed: {c['accepted']} accepted, {c['quarantined']} quarantined, "
         f"{c['duplicates']} duplicates",
+        *(["  reasons   " + ", ".join(f"{k} {v}" for k, v in sorted(s["quarantine_reasons"].items()))
+           + f"  ({s['dataset_dir']}/quarantine.parquet)"] if s.get("quarantine_reasons") else []),
         f"  captions  {c['captioned']} captioned, {c['failed']} failed"
         + (f" ({s['resumed_from']} from an earlier run)" if s.get("resumed_from") else ""),
         "  metrics   " + ", ".join([f"{k} {ref[k]:.4f}" for k in ("bleu_4", "rouge_l", "cider") if k in ref]

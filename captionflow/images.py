@@ -87,19 +87,16 @@ def content_id(data: bytes) -> str:
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:
-    if im.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+    if im.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        # 16/32-bit grey and float: stretch the value range to 8 bits (float32: a 64 MP input needs
+        # 256 MB for it, not the 512 MB of float64)
         import numpy as np
 
-        arr = np.asarray(im, dtype=np.float64)
+        arr = np.asarray(im).astype(np.float32)
         lo, hi = float(arr.min()), float(arr.max())
-        scale = 255.0 / (hi - lo) if hi > lo else 0.0
-        im = Image.fromarray(((arr - lo) * scale).clip(0, 255).astype("uint8"), mode="L")
-    elif im.mode == "F":
-        import numpy as np
-
-        arr = np.asarray(im, dtype=np.float64)
-        lo, hi = float(arr.min()), float(arr.max())
-        im = Image.fromarray(((arr - lo) / ((hi - lo) or 1.0) * 255).astype("uint8"), mode="L")
+        arr -= lo
+        arr *= 255.0 / (hi - lo) if hi > lo else 0.0
+        im = Image.fromarray(arr.clip(0, 255, out=arr).astype(np.uint8), mode="L")
     if im.mode == "P":
         im = im.convert("RGBA" if "transparency" in im.info else "RGB")
     if im.mode in ("RGBA", "LA", "PA", "RGBa", "La"):

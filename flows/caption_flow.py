@@ -118,6 +118,7 @@ def caption_flow(config: RunConfig = RunConfig()) -> dict:
         "run_dir": inf["run_dir"],
         "counts": {"total": c["listed"], "accepted": c["accepted"], "quarantined": c["quarantined"],
                    "duplicates": c["duplicates"], "captioned": inf["captioned"], "failed": inf["failed"]},
+        "quarantine_reasons": manifest.get("quarantine_reasons", {}),
         "metrics": ev["metrics"],
         "timings_s": timings,
         "cached_stages": cached,

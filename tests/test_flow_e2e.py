@@ -43,6 +43,10 @@ def test_every_input_accounted_for(demo_run):
     q = pq.read_table(f"{s['dataset_dir']}/quarantine.parquet").to_pylist()
     assert {r["source"] for r in q} == set(FAULTY_FILES)
     assert all(r["reason"] and r["detail"] for r in q)
+    reasons = {}
+    for r in q:
+        reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+    assert s["quarantine_reasons"] == reasons
 
 
 def test_captions_exactly_once(demo_run):
