@@ -86,16 +86,19 @@ def _by_path(fs, parquet_path: str, ref: str, source: str, refs: list[str], max_
     (a URI with a protocol is read with its own filesystem)."""
     import posixpath
 
-    from captionflow.storage import open_fs
+    from captionflow.storage import local_special, open_fs
 
     try:
         if "://" in ref:
             rfs, rpath = open_fs(ref)
         else:
             rfs, rpath = fs, ref if ref.startswith("/") else posixpath.join(posixpath.dirname(parquet_path), ref)
-        size = _regular_file_size(rfs, rpath)
-        if size is None:  # a FIFO would block this worker forever
-            return _row(source, refs, "unreadable", f"{ref}: not a regular file", 0)
+        info, problem = rfs.info(rpath), ""
+        if info.get("type") != "file":  # a local link is read through; a FIFO would block this worker forever
+            info, problem = local_special(rpath, info) if info.get("type") == "other" else (info, "not a file")
+        if problem:
+            return _row(source, refs, "unreadable", f"{ref}: {problem}", 0)
+        size = int(info.get("size") or 0)
         if size > max_bytes:
             return _row(source, refs, "too_large", f"{ref}: {size} bytes > budget {max_bytes}", size)
         data = rfs.cat_file(rpath)
@@ -103,20 +106,6 @@ def _by_path(fs, parquet_path: str, ref: str, source: str, refs: list[str], max_
         return _row(source, refs, "unreadable",
                     f"no image bytes in the row; its path {ref!r}: {type(e).__name__}: {e}", 0)
     return _result(source, data, refs, max_side, max_pixels, max_bytes)
-
-
-def _regular_file_size(fs, path: str) -> int | None:
-    """Size of a regular file (a local link is followed); None for anything else."""
-    info = fs.info(path)
-    if info.get("type") == "file":
-        return int(info.get("size") or 0)
-    if info.get("islink"):
-        import os
-        import stat
-
-        st = os.stat(path)
-        return st.st_size if stat.S_ISREG(st.st_mode) else None
-    return None
 
 
 class ItemProcessor:

@@ -135,3 +135,22 @@ def open_fs(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
     if "://" not in uri:
         uri = os.path.abspath(os.path.expanduser(uri))
     return url_to_fs(uri, **storage_options(uri))
+
+
+def local_special(path: str, info: dict) -> tuple[dict, str]:
+    """A local entry that is not a plain file (fsspec lists it as type "other"): a symbolic link
+    to a file is read through (``info`` gets the target's size and mtime, problem ""); anything
+    else comes back with the problem that keeps it from being opened (reading a FIFO blocks forever)."""
+    import stat
+
+    link = f"symbolic link to {info['destination']!r}" if info.get("islink") else ""
+    try:
+        st = os.stat(path)  # follows links
+    except OSError as e:
+        return info, f"broken {link}: {type(e).__name__}: {e.strerror}" if link else f"{type(e).__name__}: {e}"
+    if stat.S_ISREG(st.st_mode):
+        return {**info, "size": st.st_size, "mtime": st.st_mtime}, ""
+    what = ("a directory (not followed: links can loop)" if stat.S_ISDIR(st.st_mode) else
+            "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else
+            "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a regular file")
+    return info, f"{link}: {what}" if link else f"not a regular file: {what}"

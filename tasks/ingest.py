@@ -27,7 +27,7 @@ from captionflow.config import RunConfig
 from captionflow.demo_data import ensure_demo_dataset
 from captionflow.fingerprint import digest
 from captionflow.retry import retry_transient
-from captionflow.storage import Store, open_fs
+from captionflow.storage import Store, local_special, open_fs
 
 SCHEMA_VERSION = 1
 LARGE_ROW_GROUP = 512 * 2**20  # bytes; a preprocess worker holds about twice a row group's image column
@@ -113,26 +113,6 @@ def _file_info(path: str, name: str, info: dict, problem: str = "") -> dict:
             "etag": str(info.get("ETag") or ""), "problem": problem}
 
 
-def _local_special(path: str, info: dict) -> tuple[dict, str]:
-    """A local entry that is not a plain file (fsspec lists it as type "other"): a symbolic link
-    to a file is read through (size and mtime of the target); anything else is listed with the
-    problem that keeps it from being opened (reading a FIFO would block the run forever)."""
-    import os
-    import stat
-
-    link = f"symbolic link to {info['destination']!r}" if info.get("islink") else ""
-    try:
-        st = os.stat(path)  # follows links
-    except OSError as e:
-        return info, f"broken {link}: {type(e).__name__}: {e.strerror}" if link else f"{type(e).__name__}: {e}"
-    if stat.S_ISREG(st.st_mode):
-        return {**info, "size": st.st_size, "mtime": st.st_mtime}, ""
-    what = ("a directory (not followed: links can loop)" if stat.S_ISDIR(st.st_mode) else
-            "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else
-            "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a regular file")
-    return info, f"{link}: {what}" if link else f"not a regular file: {what}"
-
-
 def list_source(uri: str, image_column: str | None = None, caption_column: str | None = None) -> Listing:
     """List a folder of images or Parquet files (local or fsspec URI)."""
     try:
@@ -154,14 +134,14 @@ def list_source(uri: str, image_column: str | None = None, caption_column: str |
             rel = path[len(root):].lstrip("/")
             if not rel or any(part.startswith(".") for part in rel.split("/")):
                 continue
-            if path.endswith("/") or info.get("type") == "directory":  # an object store's folder marker
+            if path.endswith("/"):  # an object store's folder marker (zero bytes)
                 continue
             if rel in SIDECAR_NAMES:
                 refs.update(_read_sidecar(fs, path))
                 continue
             problem = ""
             if info.get("type") not in ("file", None) and protocol in ("file", "local"):
-                info, problem = _local_special(path, info)
+                info, problem = local_special(path, info)
             files.append(_file_info(path, rel, info, problem))
         if not files:
             raise DatasetError(f"dataset {uri!r} contains no files")
