@@ -41,6 +41,9 @@ def _summary_text(s: dict) -> str:
         f"  run       {s['run_dir']}",
         f"  images    {c['total']} listed: {c['accepted']} accepted, {c['quarantined']} quarantined, "
         f"{c['duplicates']} duplicates",
+        *([f"  hidden    {h['count']} hidden entries not taken as inputs (names starting with '.'): "
+           + ", ".join(h["examples"]) + (", ..." if h["count"] > len(h["examples"]) else "")]
+          if (h := s.get("hidden_skipped") or {}).get("count") else []),
         *(["  reasons   " + ", ".join(f"{k} {v}" for k, v in sorted(s["quarantine_reasons"].items()))
            + f"  ({s['dataset_dir']}/quarantine.parquet)"] if s.get("quarantine_reasons") else []),
         f"  captions  {c['captioned']} captioned, {c['failed']} failed"

@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 DEMO_NAME = "demo"
-DEMO_VERSION = "1"
+DEMO_VERSION = "2"
 CAPTIONS_FILE = "captions.jsonl"
 
 # file name in the demo folder -> (package, path inside the package's data folder)
@@ -166,6 +166,9 @@ FAULTY_FILES = {
     "error_page.jpg": "an HTML error page saved with an image name",
 }
 
+# hidden entries a folder copied from a laptop carries: not inputs, counted in the run summary
+HIDDEN_FILES = {".DS_Store": b"\x00\x00\x00\x01Bud1" + bytes(2048)}
+
 
 def _package_file(package: str, rel: str) -> Path:
     if package == "matplotlib":
@@ -210,6 +213,8 @@ def build_demo_dataset(out_dir: str | os.PathLike) -> Path:
     (out / "error_page.jpg").write_bytes(
         b"<!DOCTYPE html><html><head><title>502 Bad Gateway</title></head>"
         b"<body><h1>502 Bad Gateway</h1></body></html>\n")
+    for name, data in HIDDEN_FILES.items():
+        (out / name).write_bytes(data)
     with open(out / CAPTIONS_FILE, "w", encoding="utf-8") as fh:
         for name in sorted(DEMO_CAPTIONS):
             fh.write(json.dumps({"file_name": name, "captions": DEMO_CAPTIONS[name]}) + "\n")

@@ -16,7 +16,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 # The quarantine vocabulary: every rejected input carries exactly one of these.
 REASONS = {
     "empty_file": "the file has zero bytes",
-    "unreadable": "the file could not be read from storage, or is not a regular file (FIFO, broken link, ...)",
+    "unreadable": "the file could not be read from storage, or is not a regular file (FIFO, broken link, ...), or is a folder that cannot be listed",
     "too_large": "the file is larger than the byte budget (max_input_mb), known before it is read",
     "not_an_image": "no image format recognised from the content (e.g. HTML, text, random bytes)",
     "unsupported_format": "an image container this installation cannot decode (HEIC/HEIF, AVIF without a plugin, JPEG XL)",

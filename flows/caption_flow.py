@@ -119,6 +119,7 @@ def caption_flow(config: RunConfig = RunConfig()) -> dict:
         "counts": {"total": c["listed"], "accepted": c["accepted"], "quarantined": c["quarantined"],
                    "duplicates": c["duplicates"], "captioned": inf["captioned"], "failed": inf["failed"]},
         "quarantine_reasons": manifest.get("quarantine_reasons", {}),
+        "hidden_skipped": {"count": ing.hidden_skipped, "examples": ing.hidden_examples},
         "metrics": ev["metrics"],
         "timings_s": timings,
         "cached_stages": cached,

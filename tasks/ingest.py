@@ -19,6 +19,7 @@ import csv
 import io
 import json
 import logging
+import os
 from dataclasses import asdict, dataclass, field
 
 from prefect import task
@@ -54,6 +55,8 @@ class IngestResult:
     caption_column: str | None
     preprocess_params: dict
     already_preprocessed: bool
+    hidden_skipped: int = 0  # hidden entries (".name"; a local hidden folder counts once) not taken as inputs
+    hidden_examples: list[str] = field(default_factory=list)  # the first few of them
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -96,6 +99,7 @@ class Listing:
     references: dict[str, list[str]] = field(default_factory=dict)
     image_column: str | None = None
     caption_column: str | None = None
+    hidden: list[str] = field(default_factory=list)  # skipped entries whose name starts with "."
 
 
 def display_name(name: str) -> str:
@@ -113,6 +117,33 @@ def _file_info(path: str, name: str, info: dict, problem: str = "") -> dict:
             "etag": str(info.get("ETag") or ""), "problem": problem}
 
 
+def _local_find(fs, root: str, unlisted: list[OSError]) -> dict[str, dict]:
+    """``fs.find(root, detail=True)`` for a local folder (the same entries and infos, links not
+    followed), except that a folder which cannot be listed goes into ``unlisted`` (fsspec's walk
+    drops it without a word below the top level) and a hidden folder is one entry ``path/``, not walked."""
+    found, folders = {}, [root]
+    while folders:
+        folder = folders.pop()
+        try:
+            with os.scandir(folder) as it:
+                entries = list(it)
+        except OSError as e:
+            unlisted.append(e)
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    if entry.name.startswith("."):  # hidden: not inputs, counted as one entry, not walked
+                        found[entry.path + "/"] = {"name": entry.path, "type": "directory", "size": 0}
+                    else:
+                        folders.append(entry.path)
+                else:
+                    found[entry.path] = fs.info(entry)
+            except FileNotFoundError:  # gone since the folder was read
+                pass
+    return found
+
+
 def list_source(uri: str, image_column: str | None = None, caption_column: str | None = None) -> Listing:
     """List a folder of images or Parquet files (local or fsspec URI)."""
     try:
@@ -123,6 +154,7 @@ def list_source(uri: str, image_column: str | None = None, caption_column: str |
     if not exists:
         raise DatasetError(f"dataset {uri!r} does not exist")
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    hidden: list[str] = []  # names starting with "." (or inside such a folder): not inputs
     source = root if protocol in ("file", "local") else f"{protocol}://{root}"
     if fs.isfile(root):
         if not root.endswith(".parquet"):
@@ -130,24 +162,46 @@ def list_source(uri: str, image_column: str | None = None, caption_column: str |
         files = [_file_info(root, root.rsplit("/", 1)[-1], fs.info(root))]
     else:
         files, refs = [], {}
-        for path, info in sorted(fs.find(root, detail=True).items()):
-            rel = path[len(root):].lstrip("/")
-            if not rel or any(part.startswith(".") for part in rel.split("/")):
+        local = protocol in ("file", "local")
+        unlisted: list[OSError] = []  # local folders that cannot be listed (permissions)
+        found = _local_find(fs, root, unlisted) if local else fs.find(root, detail=True)
+        for e in unlisted:
+            where = fs._strip_protocol(str(e.filename or root)).rstrip("/")
+            if where == root.rstrip("/"):
+                raise DatasetError(f"dataset {uri!r}: cannot list it ({type(e).__name__}: {e.strerror})")
+            found[where + "/"] = {"type": "unlisted", "error": e}
+        for path, info in sorted(found.items()):
+            rel = path[len(root):].strip("/")
+            if not rel:
                 continue
-            if path.endswith("/"):  # an object store's folder marker (zero bytes)
+            if any(part.startswith(".") for part in rel.split("/")):  # not an input; counted, not silent
+                hidden.append(rel + ("/" if path.endswith("/") else ""))
+                continue
+            if path.endswith("/") and info.get("type") != "unlisted":  # an object store's folder marker
+                continue
+            if info.get("type") == "unlisted":  # every file in it is unknown: the folder is the input
+                e = info["error"]
+                files.append(_file_info(path, rel + "/", {}, f"a folder that cannot be listed: {type(e).__name__}: "
+                                        f"{e.strerror or e}; its files are not inputs until it can be"))
                 continue
             if rel in SIDECAR_NAMES:
                 refs.update(_read_sidecar(fs, path))
                 continue
             problem = ""
-            if info.get("type") not in ("file", None) and protocol in ("file", "local"):
+            if info.get("type") not in ("file", None) and local:
                 info, problem = local_special(path, info)
             files.append(_file_info(path, rel, info, problem))
         if not files:
             raise DatasetError(f"dataset {uri!r} contains no files")
-        if not all(f["name"].endswith(".parquet") for f in files):
-            return Listing(source=source, kind="images", files=files, references=refs)
-    return _parquet_listing(fs, source, files, image_column, caption_column)
+        plain = [f for f in files if not f["problem"]]
+        if not plain or not all(f["name"].endswith(".parquet") for f in plain):
+            return Listing(source=source, kind="images", files=files, references=refs, hidden=hidden)
+        for f in files:  # a Parquet dataset with a part that cannot be read is not taken half
+            if f["problem"]:
+                raise DatasetError(f"dataset {uri!r}: {f['name']}: {f['problem']}")
+    listing = _parquet_listing(fs, source, files, image_column, caption_column)
+    listing.hidden = hidden
+    return listing
 
 
 def _parquet_listing(fs, source: str, files: list[dict], image_column: str | None,
@@ -201,11 +255,15 @@ def ingest(cfg: RunConfig) -> IngestResult:
         manifest = store.read_json("datasets", fp, "manifest.json")
         manifest_ok = manifest.get("dataset_fingerprint") == fp and manifest.get("schema_version") == SCHEMA_VERSION
     n_inputs = sum(f.get("rows", 1) for f in listing.files)
+    if listing.hidden:
+        log.info("%d hidden entries are not inputs (names starting with '.'): %s", len(listing.hidden),
+                 ", ".join(listing.hidden[:5]) + (", ..." if len(listing.hidden) > 5 else ""))
     return IngestResult(
         dataset_fingerprint=fp, dataset_dir=store.url("datasets", fp), source=listing.source, kind=listing.kind,
         files=listing.files, n_inputs=n_inputs, references=listing.references,
         image_column=listing.image_column, caption_column=listing.caption_column,
         preprocess_params=params, already_preprocessed=manifest_ok,
+        hidden_skipped=len(listing.hidden), hidden_examples=listing.hidden[:5],
     )
 
 

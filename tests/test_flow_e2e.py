@@ -7,7 +7,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from captionflow.demo_data import DEMO_CAPTIONS, FAULTY_FILES
+from captionflow.demo_data import DEMO_CAPTIONS, FAULTY_FILES, HIDDEN_FILES
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +47,7 @@ def test_every_input_accounted_for(demo_run):
     for r in q:
         reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
     assert s["quarantine_reasons"] == reasons
+    assert s["hidden_skipped"] == {"count": len(HIDDEN_FILES), "examples": sorted(HIDDEN_FILES)}  # not inputs
 
 
 def test_captions_exactly_once(demo_run):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -231,3 +232,58 @@ def test_s3_source_and_output(s3_bucket, tmp_path):
     time.sleep(1.1)
     s3.put_object(Bucket=s3_bucket, Key="images/photo.jpg", Body=b"changed")
     assert not ingest(cfg).already_preprocessed
+
+
+def _without_root_file_powers() -> None:
+    """In a child process before exec: drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the capability
+    bounding set (prctl PR_CAPBSET_DROP), so that root obeys file permissions after exec."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def test_unlistable_folder_and_hidden_entries_are_accounted_for(tmp_path):
+    """A folder that cannot be listed is one input, quarantined as unreadable (fsspec's walk would drop
+    it without a word); hidden entries are not inputs but are counted. Permissions do not bind root, so
+    as root the listing runs in a child process without root's file powers."""
+    import json
+    import subprocess
+    import sys
+
+    from tasks.ingest import IngestResult
+
+    ds = tmp_path / "ds"
+    for sub in ("open", "locked", ".git", "open/.thumbs"):
+        (ds / sub).mkdir(parents=True)
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (90, 140, 30)).save(buf, "JPEG")
+    for rel in ("a.jpg", "open/b.jpg", "locked/c.jpg", ".DS_Store", ".git/config", "open/.thumbs/a.jpg"):
+        (ds / rel).write_bytes(buf.getvalue())
+    (ds / "locked").chmod(0)
+    cfg = RunConfig(dataset=str(ds), output=str(tmp_path / "out"))
+    try:
+        if os.geteuid() == 0:
+            code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from captionflow.config import RunConfig;"
+                    "from tasks.ingest import ingest; print('ING' + json.dumps(ingest(RunConfig(dataset=sys.argv[2],"
+                    " output=sys.argv[3])).to_dict()))")
+            p = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parents[1]), str(ds),
+                                cfg.output], preexec_fn=_without_root_file_powers, capture_output=True, text=True,
+                               timeout=300)
+            line = next((x for x in p.stdout.splitlines() if x.startswith("ING")), None)
+            assert line, p.stderr[-3000:]
+            ing = IngestResult(**json.loads(line[3:]))
+        else:
+            ing = ingest(cfg)
+    finally:
+        (ds / "locked").chmod(0o755)
+    assert ing.n_inputs == 3 and ing.hidden_skipped == 3
+    assert sorted(ing.hidden_examples) == [".DS_Store", ".git/", "open/.thumbs/"]  # hidden folders not walked
+    m = preprocess(ing, cfg)  # the folder is listable again by now: quarantined from the listing, never opened
+    assert m["counts"] == {"listed": 3, "accepted": 1, "quarantined": 1, "duplicates": 1}
+    store = Store(cfg.output)
+    q = store.read_table(store.path("datasets", m["dataset_fingerprint"], "quarantine.parquet")).to_pylist()
+    locked = next(r for r in q if r["source"] == "locked/")
+    assert locked["reason"] == "unreadable" and "PermissionError" in locked["detail"], locked
