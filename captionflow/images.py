@@ -22,6 +22,8 @@ REASONS = {
     "unsupported_format": "an image container this installation cannot decode (HEIC/HEIF, AVIF without a plugin, JPEG XL)",
     "decode_error": "the header parsed but the pixels did not decode (truncated or corrupt)",
     "too_many_pixels": "width x height exceeds the pixel budget (decompression-bomb guard), checked before decoding",
+    "too_many_scans": "a JPEG with more than MAX_JPEG_SCANS scans (decoding-time bomb: every scan walks the whole "
+                      "image again), checked before decoding",
     "too_small": "the shorter side is below MIN_SIDE px, as given or once the long side is bounded",
     "extreme_aspect_ratio": "long side / short side over what the model's processor accepts (Qwen2-VL: 200), "
                             "as given or once the long side is bounded",
@@ -29,6 +31,9 @@ REASONS = {
 }
 
 MAX_INPUT_PIXELS = 64_000_000  # checked on the header, before any pixel is decoded
+# Encoders write 1 (baseline) to ~10-20 (progressive) scans; a crafted file repeats tiny scans, each of
+# which re-walks every block: 1,000 extra scans over 8000x7900 in 465 KB took 80 s to decode.
+MAX_JPEG_SCANS = 100
 MIN_SIDE = 8
 MAX_ASPECT_RATIO = 200.0
 JPEG_QUALITY = 95
@@ -133,10 +138,19 @@ def normalise_image(data: bytes, max_side: int, max_input_pixels: int = MAX_INPU
     w, h = im.size
     if w * h > max_input_pixels:
         raise Rejected("too_many_pixels", f"{w}x{h} = {w * h} pixels > budget {max_input_pixels}")
+    if fmt in ("JPEG", "MPO") and (scans := data.count(b"\xff\xda")) > MAX_JPEG_SCANS:  # SOS markers
+        raise Rejected("too_many_scans", f"{w}x{h} JPEG with {scans} scans > {MAX_JPEG_SCANS}")
+    _check_shape(w, h, "")  # a 90-degree EXIF rotation changes neither the short side nor the ratio
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             im.seek(0)  # first frame of animated / multi-page files
+            if fmt in ("JPEG", "MPO") and max(w, h) > max_side:
+                # every scan is still decoded in full; the inverse DCT outputs 1/2, 1/4 or 1/8 of the size,
+                # kept at least twice the bounded size (as Image.thumbnail's reducing_gap does for the final
+                # LANCZOS): a 12 MP photo decodes ~4x faster and in 1/16 of the memory
+                scale = max_side / max(w, h)
+                im.draft(None, (round(w * scale) * 2, round(h * scale) * 2))
             im.load()
             im = ImageOps.exif_transpose(im) or im
             rgb = _to_rgb(im)
@@ -144,12 +158,11 @@ def normalise_image(data: bytes, max_side: int, max_input_pixels: int = MAX_INPU
         raise
     except Exception as e:
         raise Rejected("decode_error", f"{fmt}: {type(e).__name__}: {e}"[:300]) from None
-    _check_shape(*rgb.size, "")
     if max(rgb.size) > max_side:
-        size = rgb.size
+        was = (w, h) if (rgb.width >= rgb.height) == (w >= h) else (h, w)  # as displayed (EXIF rotation)
         rgb.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
         # what the model gets must pass too: 2000x10 (ratio 200) bounded to 448 px is 448x2
-        _check_shape(*rgb.size, f" once the long side is bounded to {max_side} px (was {size[0]}x{size[1]})")
+        _check_shape(*rgb.size, f" once the long side is bounded to {max_side} px (was {was[0]}x{was[1]})")
     out = io.BytesIO()
     rgb.save(out, format="JPEG", quality=JPEG_QUALITY)
     return Normalised(

@@ -30,6 +30,15 @@ def _png_bomb(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", body) + chunk(b"IEND", b"")
 
 
+def _scan_bomb(photo: Image.Image, extra_scans: int = 400) -> bytes:
+    """A progressive JPEG whose last scan is repeated: a valid file that a decoder walks again and again
+    (1,000 repeats over 8000x7900 took 80 s to decode in 465 KB). Kept small here: it must be
+    refused from its scan count, before decoding."""
+    data = _save(photo, "JPEG", progressive=True)
+    last, eoi = data.rfind(b"\xff\xda"), data.rfind(b"\xff\xd9")
+    return data[:eoi] + data[last:eoi] * extra_scans + data[eoi:]
+
+
 def build_corpus(root: Path) -> dict[str, str]:
     """Write the corpus under ``root``; return {relative name: expected outcome}."""
     rng = random.Random(7)
@@ -46,7 +55,9 @@ def build_corpus(root: Path) -> dict[str, str]:
     files["drawing.svg"] = (b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"><rect width="10" height="10"/></svg>',
                             "not_an_image")
     files["bomb.png"] = (_png_bomb(100_000, 100_000), "too_many_pixels")
-    files["huge_8000x6000.jpg"] = (_save(photo.resize((8000, 6000)), "JPEG", quality=60), ACCEPTED)
+    huge = _save(photo.resize((8000, 6000)), "JPEG", quality=60)
+    files["huge_8000x6000.jpg"] = (huge, ACCEPTED)
+    files["huge_truncated.jpg"] = (huge[: len(huge) * 2 // 3], "decode_error")  # decoded at 1/8 scale: still in full
     files["one_pixel.png"] = (_save(Image.new("RGB", (1, 1), "red"), "PNG"), "too_small")
     files["sliver_5000x4.png"] = (_save(Image.new("RGB", (5000, 4), "blue"), "PNG"), "too_small")
     files["banner_9000x40.png"] = (_save(Image.new("RGB", (9000, 40), "green"), "PNG"), "extreme_aspect_ratio")
@@ -82,6 +93,8 @@ def build_corpus(root: Path) -> dict[str, str]:
     files["broken.psd"] = (b"8BPS\0\1" + bytes(20), "decode_error")
     files["report.pdf"] = (b"%PDF-1.4\n1 0 obj<<>>endobj\ntrailer<<>>\n%%EOF", "not_an_image")
     files["gzipped.jpg"] = (zlib.compress(jpg), "not_an_image")
+    files["scan_bomb.jpg"] = (_scan_bomb(photo), "too_many_scans")
+    files["progressive_photo.jpg"] = (_save(photo.resize((2000, 1500)), "JPEG", progressive=True), ACCEPTED)
     files["sub dir/copy of photo.jpg"] = (jpg, "duplicate")
     files["sub dir/second copy.jpg"] = (jpg, "duplicate")
     for rel, (data, _) in files.items():
