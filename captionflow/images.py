@@ -5,6 +5,7 @@ An input either normalises to RGB JPEG bytes or is rejected with a reason from R
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import warnings
@@ -19,7 +20,8 @@ REASONS = {
     "unreadable": "the file could not be read from storage, or is not a regular file (FIFO, broken link, ...), or is a folder that cannot be listed",
     "too_large": "the file is larger than the byte budget (max_input_mb), known before it is read",
     "not_an_image": "no image format recognised from the content (e.g. HTML, text, random bytes)",
-    "unsupported_format": "an image container this installation cannot decode (HEIC/HEIF, AVIF without a plugin, JPEG XL)",
+    "unsupported_format": "an image container this installation cannot decode (HEIC/HEIF, AVIF without a plugin, JPEG XL)"
+                          " or will not (EPS: rendering it runs Ghostscript)",
     "decode_error": "the header parsed but the pixels did not decode (truncated or corrupt)",
     "too_many_pixels": "width x height exceeds the pixel budget (decompression-bomb guard), checked before decoding",
     "too_many_scans": "a JPEG with more than MAX_JPEG_SCANS scans (decoding-time bomb: every scan walks the whole "
@@ -80,10 +82,22 @@ def sniff_format(data: bytes) -> str | None:
         return _ISOBMFF_IMAGE_BRANDS[data[8:12]]
     if data.startswith((b"\xff\x0a", b"\x00\x00\x00\x0cJXL \r\n\x87\n")):
         return "JPEG XL"
+    if data.startswith((b"%!PS", b"\xc5\xd0\xd3\xc6")):
+        return "EPS"
     return next((name for magic, name in _MAGIC if data.startswith(magic)), None)
 
 
-_UNDECODABLE_HERE = {"HEIC", "HEIF", "AVIF", "JPEG XL"}  # PIL without a plugin does not identify these
+_UNDECODABLE_HERE = {"HEIC", "HEIF", "AVIF", "JPEG XL", "EPS"}  # PIL without a plugin does not identify these
+_NOT_DECODED = {  # formats Pillow could open but that are refused on purpose
+    "EPS": "not decoded on purpose: the file is a PostScript program, which Pillow would run in Ghostscript (it can loop forever)",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _open_formats() -> tuple[str, ...]:
+    """Every format this Pillow can open, less those in _NOT_DECODED."""
+    Image.init()
+    return tuple(f for f in Image.OPEN if f not in _NOT_DECODED)
 
 
 def content_id(data: bytes) -> str:
@@ -124,11 +138,12 @@ def normalise_image(data: bytes, max_side: int, max_input_pixels: int = MAX_INPU
     if not data:
         raise Rejected("empty_file", "0 bytes")
     try:
-        im = Image.open(io.BytesIO(data))
+        im = Image.open(io.BytesIO(data), formats=_open_formats())
     except UnidentifiedImageError:
         fmt = sniff_format(data)
         if fmt in _UNDECODABLE_HERE:
-            raise Rejected("unsupported_format", f"{fmt} content: no decoder for it in this installation") from None
+            why = _NOT_DECODED.get(fmt, "no decoder for it in this installation")
+            raise Rejected("unsupported_format", f"{fmt} content: {why}") from None
         if fmt:  # an image signature whose header does not parse: a broken image, not a non-image
             raise Rejected("decode_error", f"{fmt} signature but the header does not parse ({len(data)} bytes)") from None
         raise Rejected("not_an_image", f"no image format recognised; content starts {data[:24]!r}") from None

@@ -90,6 +90,8 @@ def build_corpus(root: Path) -> dict[str, str]:
     files["photo.bmp"] = (_save(photo.rotate(16), "BMP"), ACCEPTED)
     files["iphone.heic"] = (b"\0\0\0\x18ftypheic\0\0\0\0mif1heic" + bytes(200), "unsupported_format")
     files["photo.jxl"] = (b"\xff\x0a" + bytes(rng.getrandbits(8) for _ in range(200)), "unsupported_format")
+    files["figure.eps"] = (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n{} loop\nshowpage\n",  # loops forever
+                           "unsupported_format")
     files["broken.psd"] = (b"8BPS\0\1" + bytes(20), "decode_error")
     files["report.pdf"] = (b"%PDF-1.4\n1 0 obj<<>>endobj\ntrailer<<>>\n%%EOF", "not_an_image")
     files["gzipped.jpg"] = (zlib.compress(jpg), "not_an_image")
