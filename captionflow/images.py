@@ -119,7 +119,7 @@ def _to_rgb(im: Image.Image) -> Image.Image:
     if im.mode == "P":
         im = im.convert("RGBA" if "transparency" in im.info else "RGB")
     if im.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
-        rgba = im.convert("RGBA")
+        rgba = im if im.mode == "RGBA" else im.convert("RGBA")  # convert() to the same mode copies: 256 MB at 64 MP
         background = Image.new("RGB", rgba.size, (255, 255, 255))
         background.paste(rgba, mask=rgba.getchannel("A"))
         return background

@@ -117,6 +117,9 @@ def _file_info(path: str, name: str, info: dict, problem: str = "") -> dict:
             "etag": str(info.get("ETag") or ""), "problem": problem}
 
 
+_INFO_KEYS = ("type", "size", "mtime", "islink", "destination")
+
+
 def _local_find(fs, root: str, unlisted: list[OSError]) -> dict[str, dict]:
     """``fs.find(root, detail=True)`` for a local folder (the same entries and infos, links not
     followed), except that a folder which cannot be listed goes into ``unlisted`` (fsspec's walk
@@ -137,8 +140,9 @@ def _local_find(fs, root: str, unlisted: list[OSError]) -> dict[str, dict]:
                         found[entry.path + "/"] = {"name": entry.path, "type": "directory", "size": 0}
                     else:
                         folders.append(entry.path)
-                else:
-                    found[entry.path] = fs.info(entry)
+                else:  # only what the listing uses: a full info dict is ~1 KB, held for every file
+                    info = fs.info(entry)
+                    found[entry.path] = {k: info[k] for k in _INFO_KEYS if k in info}
             except FileNotFoundError:  # gone since the folder was read
                 pass
     return found
