@@ -34,6 +34,9 @@ def _result(source: str, data: bytes, refs: list[str], max_side: int, max_pixels
     except Rejected as r:
         row.update(reason=r.reason, detail=r.detail)
         return row
+    except Exception as e:  # whatever else a hostile file provokes costs this input, never the run
+        row.update(reason="decode_error", detail=f"unexpected {type(e).__name__} while normalising: {e}")
+        return row
     row.update(image_id=n.image_id, image=n.data, width=n.width, height=n.height, orig_format=n.orig_format,
                orig_width=n.orig_width, orig_height=n.orig_height)
     return row
@@ -57,9 +60,13 @@ def process_item(item: dict, *, fs, kind: str, image_column: str | None, caption
         return [_result(item["name"], data, refs, max_side, max_pixels, max_bytes)]
     import pyarrow.parquet as pq
 
-    with fs.open(path, "rb") as fh:
-        cols = [image_column] + ([caption_column] if caption_column else [])
-        t = pq.ParquetFile(fh).read_row_group(item["row_group"], columns=cols)
+    try:
+        with fs.open(path, "rb") as fh:
+            cols = [image_column] + ([caption_column] if caption_column else [])
+            t = pq.ParquetFile(fh).read_row_group(item["row_group"], columns=cols)
+    except Exception as e:  # corrupt pages under an intact footer, a file changed or gone since the listing
+        detail = f"row group {item['row_group']} could not be read: {type(e).__name__}: {e}"
+        return [_row(f"{item['name']}#{item['first_row'] + i}", [], "unreadable", detail, 0) for i in range(item["rows"])]
     out = []
     images = t.column(image_column).to_pylist()
     caps = t.column(caption_column).to_pylist() if caption_column else [None] * len(images)

@@ -213,7 +213,7 @@ def _parquet_listing(fs, source: str, files: list[dict], image_column: str | Non
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = None
+    schemas = []
     for f in files:
         try:
             with fs.open(f["path"], "rb") as fh:
@@ -224,21 +224,23 @@ def _parquet_listing(fs, source: str, files: list[dict], image_column: str | Non
                 if largest > LARGE_ROW_GROUP:
                     log.warning("%s: a row group of %d MB; each preprocess worker holds about twice one row group "
                                 "in memory: rewrite with smaller row groups (README, Sources)", f["path"], largest >> 20)
-                schema = schema or meta.schema_arrow
+                schemas.append(meta.schema_arrow)
         except Exception as e:
             raise DatasetError(f"{f['path']}: not a readable Parquet file ({type(e).__name__}: {e})") from None
-    names = schema.names
+    names = schemas[0].names
     img = image_column or next((c for c in IMAGE_COLUMNS if c in names), None)
-    if img is None or img not in names:
-        raise DatasetError(f"{source}: no image column (looked for {image_column or IMAGE_COLUMNS}; has {names})")
-    t = schema.field(img).type
-    ok = pa.types.is_binary(t) or pa.types.is_large_binary(t) or (
-        pa.types.is_struct(t) and t.get_field_index("bytes") >= 0)
-    if not ok:
-        raise DatasetError(f"{source}: column {img!r} is {t}; expected binary or a struct {{bytes, path}}")
     cap = caption_column or next((c for c in CAPTION_COLUMNS if c in names), None)
-    if caption_column and caption_column not in names:
-        raise DatasetError(f"{source}: no caption column {caption_column!r} (has {names})")
+    for f, schema in zip(files, schemas):  # every file, not just the first: a worker must not meet a surprise
+        where = source if len(files) == 1 else f"{source}: {f['name']}"
+        if img is None or img not in schema.names:
+            raise DatasetError(f"{where}: no image column (looked for {image_column or IMAGE_COLUMNS}; has {schema.names})")
+        t = schema.field(img).type
+        ok = pa.types.is_binary(t) or pa.types.is_large_binary(t) or (
+            pa.types.is_struct(t) and t.get_field_index("bytes") >= 0)
+        if not ok:
+            raise DatasetError(f"{where}: column {img!r} is {t}; expected binary or a struct {{bytes, path}}")
+        if cap and cap not in schema.names:
+            raise DatasetError(f"{where}: no caption column {cap!r} (has {schema.names})")
     return Listing(source=source, kind="parquet", files=files, image_column=img, caption_column=cap)
 
 

@@ -43,7 +43,7 @@ def work_items(ing: IngestResult) -> list[dict]:
     a local file name need not be valid UTF-8, an Arrow string must be."""
     if ing.kind == "images":
         return [{"path": f["path"].encode("utf-8", "surrogateescape"), "name": f["name"], "size": f["size"],
-                 "problem": f.get("problem", ""), "row_group": -1, "first_row": 0} for f in ing.files]
+                 "problem": f.get("problem", ""), "row_group": -1, "first_row": 0, "rows": 1} for f in ing.files]
     items = []
     fs, _ = open_fs(ing.source)
     import pyarrow.parquet as pq
@@ -53,9 +53,10 @@ def work_items(ing: IngestResult) -> list[dict]:
             meta = pq.ParquetFile(fh).metadata
         first = 0
         for g in range(meta.num_row_groups):
+            rows = meta.row_group(g).num_rows
             items.append({"path": f["path"].encode("utf-8", "surrogateescape"), "name": f["name"], "size": f["size"],
-                          "problem": "", "row_group": g, "first_row": first})
-            first += meta.row_group(g).num_rows
+                          "problem": "", "row_group": g, "first_row": first, "rows": rows})
+            first += rows
     return items
 
 

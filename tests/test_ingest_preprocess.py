@@ -183,6 +183,41 @@ def test_parquet_rows_without_embedded_bytes(tmp_path):
     assert rows.column("references").to_pylist() == [["red"], []]
 
 
+def test_parquet_corrupt_row_group_quarantines_its_rows_only(tmp_path):
+    """A row group whose pages are damaged under an intact footer: each of its rows is quarantined
+    (unreadable, with the error); the other row group's rows go through. A folder whose files
+    disagree on the image column is refused at the listing, before any work."""
+    images = []
+    for colour in ("red", "green", "blue", "white", "black", "grey"):
+        Image.new("RGB", (64, 48), colour).save(buf := io.BytesIO(), "PNG")
+        images.append(buf.getvalue())
+    good = images[-1]
+    table = pa.table({"image": images})
+    path = tmp_path / "ds" / "data.parquet"
+    path.parent.mkdir()
+    pq.write_table(table, path, row_group_size=3, compression="snappy")
+    meta = pq.ParquetFile(path).metadata
+    chunk = meta.row_group(0).column(0)
+    start = chunk.dictionary_page_offset or chunk.data_page_offset
+    raw = bytearray(path.read_bytes())
+    raw[start:start + 32] = b"\xff" * 32  # the first row group's page header, not the footer
+    path.write_bytes(bytes(raw))
+    cfg = RunConfig(dataset=str(path), output=str(tmp_path / "out"))
+    ing = ingest(cfg)
+    assert ing.n_inputs == 6
+    m = preprocess(ing, cfg)
+    out = _outcomes(cfg, m)
+    assert [out[f"data.parquet#{i}"] for i in range(3)] == ["unreadable"] * 3, out
+    assert [out[f"data.parquet#{i}"] for i in range(3, 6)] == [ACCEPTED] * 3
+    store = Store(cfg.output)
+    q = store.read_table(store.path("datasets", m["dataset_fingerprint"], "quarantine.parquet")).to_pylist()
+    assert all("row group 0 could not be read" in r["detail"] for r in q if r["reason"] == "unreadable")
+
+    pq.write_table(pa.table({"img": [good]}), tmp_path / "ds" / "other.parquet")  # a different image column
+    with pytest.raises(DatasetError, match=r"other.parquet: no image column"):
+        ingest(RunConfig(dataset=str(tmp_path / "ds"), output=str(tmp_path / "out")))
+
+
 def test_caption_sidecars_csv_with_bom_jsonl_and_bad_encoding(tmp_path):
     (tmp_path / "ds").mkdir()
     Image.new("RGB", (32, 32), "red").save(tmp_path / "ds" / "a.png")
