@@ -22,7 +22,8 @@ REASONS = {
     "not_an_image": "no image format recognised from the content (e.g. HTML, text, random bytes)",
     "unsupported_format": "an image container this installation cannot decode (HEIC/HEIF, AVIF without a plugin, JPEG XL)"
                           " or will not (EPS: rendering it runs Ghostscript)",
-    "decode_error": "the header parsed but the pixels did not decode (truncated or corrupt)",
+    "decode_error": "the header parsed but the pixels did not decode (truncated or corrupt), or decoding it killed "
+                    "the worker process again when it ran alone",
     "too_many_pixels": "width x height exceeds the pixel budget (decompression-bomb guard), checked before decoding",
     "too_many_scans": "a JPEG with more than MAX_JPEG_SCANS scans (decoding-time bomb: every scan walks the whole "
                       "image again), checked before decoding",

@@ -12,6 +12,7 @@ import pyarrow as pa
 from captionflow.images import Rejected, normalise_image
 
 RESULT_SCHEMA = pa.schema([  # one row per image: accepted (image_id set) or rejected (reason set)
+    ("item", pa.int64()),  # the work item it came from (the driver finds items whose block was lost)
     ("source", pa.string()), ("image_id", pa.string()), ("image", pa.binary()), ("width", pa.int32()),
     ("height", pa.int32()), ("orig_format", pa.string()), ("orig_width", pa.int32()), ("orig_height", pa.int32()),
     ("references", pa.list_(pa.string())), ("reason", pa.string()), ("detail", pa.string()), ("size_bytes", pa.int64()),
@@ -20,7 +21,7 @@ RESULT_SCHEMA = pa.schema([  # one row per image: accepted (image_id set) or rej
 
 def _row(source: str, refs: list[str], reason: str, detail: str, size: int) -> dict:
     """A result row, so far without an image (a rejected input keeps it so)."""
-    return {"source": source, "image_id": "", "image": b"", "width": 0, "height": 0, "orig_format": "",
+    return {"item": -1, "source": source, "image_id": "", "image": b"", "width": 0, "height": 0, "orig_format": "",
             "orig_width": 0, "orig_height": 0, "references": refs, "reason": reason, "detail": detail[:300],
             "size_bytes": size}
 
@@ -65,8 +66,7 @@ def process_item(item: dict, *, fs, kind: str, image_column: str | None, caption
             cols = [image_column] + ([caption_column] if caption_column else [])
             t = pq.ParquetFile(fh).read_row_group(item["row_group"], columns=cols)
     except Exception as e:  # corrupt pages under an intact footer, a file changed or gone since the listing
-        detail = f"row group {item['row_group']} could not be read: {type(e).__name__}: {e}"
-        return [_row(f"{item['name']}#{item['first_row'] + i}", [], "unreadable", detail, 0) for i in range(item["rows"])]
+        return failed_rows(item, "unreadable", f"row group {item['row_group']} could not be read: {type(e).__name__}: {e}")
     out = []
     images = t.column(image_column).to_pylist()
     caps = t.column(caption_column).to_pylist() if caption_column else [None] * len(images)
@@ -85,6 +85,13 @@ def process_item(item: dict, *, fs, kind: str, image_column: str | None, caption
             continue
         out.append(_result(source, img, refs, max_side, max_pixels, max_bytes))
     return out
+
+
+def failed_rows(item: dict, reason: str, detail: str) -> list[dict]:
+    """One rejected row for every input of a work item (an image file, or each row of a row group)."""
+    if item["row_group"] < 0:
+        return [_row(item["name"], [], reason, detail, item["size"])]
+    return [_row(f"{item['name']}#{item['first_row'] + i}", [], reason, detail, 0) for i in range(item["rows"])]
 
 
 def _by_path(fs, parquet_path: str, ref: str, source: str, refs: list[str], max_side: int, max_pixels: int,
@@ -125,5 +132,15 @@ class ItemProcessor:
         self.params = params
 
     def __call__(self, items: pa.Table) -> pa.Table:
-        rows = [row for item in items.to_pylist() for row in process_item(item, **self.params)]
+        rows = []
+        for item in items.to_pylist():
+            for row in process_item(item, **self.params):
+                row["item"] = item["item"]
+                rows.append(row)
         return pa.Table.from_pylist(rows, schema=RESULT_SCHEMA)
+
+
+def process_alone(item: dict, params: dict) -> pa.Table:
+    """One work item in a Ray task of its own: the preprocess stage's second chance for the items of a
+    block whose worker died (a decoder crash takes its whole block with it)."""
+    return ItemProcessor(**params)(pa.Table.from_pylist([item]))

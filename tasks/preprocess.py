@@ -7,12 +7,15 @@ pulls the results in listing order and commits them: accepted rows into shards
 ``quarantine.parquet`` with a reason from ``captionflow.images.REASONS``. Memory stays bounded
 by Ray Data's backpressure and one open shard, whatever the dataset size. Each input is decoded
 exactly once and ends in exactly one place; ``manifest.json`` is written last, so a dataset
-folder without it is unfinished and is rebuilt.
+folder without it is unfinished and is rebuilt. A block whose worker process dies (a decoder crash)
+is retried twice, then its items run one by one, so that only the file that kills its worker is
+quarantined (Ray Data alone would retry the block forever).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import pyarrow as pa
@@ -20,17 +23,19 @@ import pyarrow.compute as pc
 from prefect import task
 
 from captionflow.config import RunConfig
-from captionflow.preprocess_items import RESULT_SCHEMA, ItemProcessor
+from captionflow.preprocess_items import RESULT_SCHEMA, ItemProcessor, failed_rows, process_alone
 from captionflow.retry import retry_transient
 from captionflow.storage import Store, open_fs
 from tasks.ingest import SCHEMA_VERSION, IngestResult
 
 # The workers' result columns (RESULT_SCHEMA), split: accepted rows into shards (image: RGB JPEG,
 # longest side <= max_image_side), rejected inputs into quarantine.parquet.
+log = logging.getLogger(__name__)
 SHARD_SCHEMA = pa.schema([RESULT_SCHEMA.field(n) for n in (
     "image_id", "source", "image", "width", "height", "orig_format", "orig_width", "orig_height", "references")])
 QUARANTINE_SCHEMA = pa.schema([RESULT_SCHEMA.field(n) for n in ("source", "reason", "detail", "size_bytes")])
 SMALLEST_TASK, LARGEST_TASK = 32, 128  # image files per preprocess task (see task_sizes)
+MAX_BLOCK_RETRIES = 2  # a block whose worker died is tried this many more times before its items go alone
 
 
 def shard_paths(store: Store, manifest: dict) -> list[str]:
@@ -135,6 +140,8 @@ def preprocess(ing: IngestResult, cfg: RunConfig) -> dict:
     fs, _ = open_fs(ing.source)
     params = ing.preprocess_params
     items = work_items(ing)
+    for i, item in enumerate(items):
+        item["item"] = i
     per_task = cpu_task_share(cfg)  # one actor per physical core
     workers = max(1, int(ray.cluster_resources().get("CPU", 1) / per_task))
     if ing.kind == "images":  # one block, and so one task, per group of files
@@ -147,33 +154,40 @@ def preprocess(ing: IngestResult, cfg: RunConfig) -> dict:
     blocks = [pa.Table.from_pylist(items[a:b]) for a, b in zip(bounds, bounds[1:])]
     # Results in listing order, so the first of duplicates is kept: for this dataset only (a Dataset
     # keeps a copy of the process-wide DataContext made when it is created; inference does not want it).
+    # A block whose worker process dies (a decoder crash: SIGSEGV, SIGABRT, the OOM killer) is retried
+    # MAX_BLOCK_RETRIES times, then dropped instead of failing the dataset (Ray Data's own default
+    # retries it forever: a poison-pill image hung the run); its items get a second chance one by one.
     ctx = ray.data.DataContext.get_current()
-    saved = ctx.execution_options.preserve_order
-    ctx.execution_options.preserve_order = True
+    saved = ctx.execution_options.preserve_order, ctx.max_errored_blocks
+    ctx.execution_options.preserve_order, ctx.max_errored_blocks = True, -1
+    item_params = dict(fs=fs, kind=ing.kind, image_column=ing.image_column, caption_column=ing.caption_column,
+                       references=ing.references, max_side=params["max_image_side"],
+                       max_pixels=params["max_input_pixels"], max_bytes=params["max_input_mb"] * 2**20)
     try:
         # An actor pool, one actor per core, each sent its next block while it works on the current
         # one: plain tasks left each core idle ~0.17 s between one task and the next (the driver has
         # to see the end of one before it sends the next), ~10% of the stage on 2 cores.
         ds = (ray.data.from_blocks(blocks) if blocks else ray.data.from_items([])).map_batches(
             ItemProcessor, batch_size=None, batch_format="pyarrow", zero_copy_batch=True, num_cpus=per_task,
-            fn_constructor_kwargs=dict(fs=fs, kind=ing.kind, image_column=ing.image_column,
-                                       caption_column=ing.caption_column, references=ing.references,
-                                       max_side=params["max_image_side"], max_pixels=params["max_input_pixels"],
-                                       max_bytes=params["max_input_mb"] * 2**20),
+            fn_constructor_kwargs=item_params, max_restarts=-1, max_task_retries=MAX_BLOCK_RETRIES,
             compute=ray.data.ActorPoolStrategy(size=max(1, min(workers, len(blocks))),
                                                max_tasks_in_flight_per_actor=2))
     finally:
-        ctx.execution_options.preserve_order = saved
+        ctx.execution_options.preserve_order, ctx.max_errored_blocks = saved
     writer = _ShardWriter(store, base, params["shard_rows"], params["shard_mb"] * 2**20)
     quarantine: list[dict] = []
     seen: dict[str, str] = {}
     n_seen = 0
-    # Batches stay Arrow tables: the driver only looks at ids and reasons, never copies pixels row by row.
-    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+    done = bytearray(len(items))  # work items whose results arrived
+
+    def take(batch: pa.Table) -> None:
+        nonlocal n_seen
         n_seen += batch.num_rows
+        for i in pc.unique(batch["item"]).to_pylist():
+            done[i] = 1
         rejected = pc.not_equal(batch["reason"], "")
         if pc.any(rejected).as_py():
-            quarantine += batch.filter(rejected).select(QUARANTINE_SCHEMA.names).to_pylist()
+            quarantine.extend(batch.filter(rejected).select(QUARANTINE_SCHEMA.names).to_pylist())
             batch = batch.filter(pc.invert(rejected))
         keep = []
         for image_id, source, size in zip(batch["image_id"].to_pylist(), batch["source"].to_pylist(),
@@ -187,6 +201,21 @@ def preprocess(ing: IngestResult, cfg: RunConfig) -> dict:
                 keep.append(True)
         if any(keep):
             writer.add(batch.filter(pa.array(keep)) if not all(keep) else batch)
+
+    # Batches stay Arrow tables: the driver only looks at ids and reasons, never copies pixels row by row.
+    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        take(batch)
+    lost = [item for item, d in zip(items, done) if not d]
+    if lost:  # blocks dropped after their worker died MAX_BLOCK_RETRIES + 1 times: each item alone, in order
+        log.warning("%d work items lost with a crashed worker; running each alone", len(lost))
+        alone = ray.remote(process_alone).options(num_cpus=per_task, max_retries=1)
+        for item, ref in [(item, alone.remote(item, item_params)) for item in lost]:
+            try:
+                take(ray.get(ref))
+            except ray.exceptions.RayError as e:  # it killed its worker again: this item is the poison
+                why = f"the worker process died processing it, twice alone ({type(e).__name__}: {str(e)[:200]})"
+                rows = failed_rows(item, "decode_error", why)
+                take(pa.Table.from_pylist([{**r, "item": item["item"]} for r in rows], schema=RESULT_SCHEMA))
     writer.flush()
     store.write_table(pa.Table.from_pylist(quarantine, schema=QUARANTINE_SCHEMA), *base, "quarantine.parquet")
     reasons: dict[str, int] = {}

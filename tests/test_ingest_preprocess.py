@@ -322,3 +322,55 @@ def test_unlistable_folder_and_hidden_entries_are_accounted_for(tmp_path):
     q = store.read_table(store.path("datasets", m["dataset_fingerprint"], "quarantine.parquet")).to_pylist()
     locked = next(r for r in q if r["source"] == "locked/")
     assert locked["reason"] == "unreadable" and "PermissionError" in locked["detail"], locked
+
+
+_CRASHING_DECODER = '''
+import os
+from PIL import Image, ImageFile
+
+
+class _Crash(ImageFile.ImageFile):
+    format = "CRASHME"
+
+    def _open(self):
+        os.abort()  # a decoder that takes its process down, as a segfault in a native decoder does
+
+
+Image.register_open("CRASHME", _Crash, lambda prefix: prefix[:8] == b"CRASHME!")
+'''
+
+
+def test_a_file_that_crashes_its_worker_is_quarantined_not_retried_forever(tmp_path):
+    """A file whose decoder kills the worker process (here a real SIGABRT from a Pillow plugin that
+    every process of a fresh Ray loads through sitecustomize): Ray Data would restart the worker and
+    retry the block forever. The block is retried twice, then each of its files runs alone; the
+    poison is quarantined with the reason, every other file goes through."""
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(_CRASHING_DECODER)
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    for i in range(12):
+        Image.new("RGB", (64, 48), (20 * i, 100, 200)).save(ds / f"img_{i:02d}.png")
+    (ds / "img_05_poison.jpg").write_bytes(b"CRASHME!" + bytes(100))
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from captionflow.config import RunConfig;"
+            "from tasks.ingest import ingest; from tasks.preprocess import preprocess;"
+            "cfg = RunConfig(dataset=sys.argv[2], output=sys.argv[3], device='cpu');"
+            "print('MANIFEST' + json.dumps(preprocess(ingest(cfg), cfg)))")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parents[1]), str(ds),
+                        str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=900)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("MANIFEST")), None)
+    assert line, p.stderr[-4000:]
+    m = json.loads(line[len("MANIFEST"):])
+    assert m["counts"] == {"listed": 13, "accepted": 12, "quarantined": 1, "duplicates": 0}
+    cfg = RunConfig(dataset=str(ds), output=str(tmp_path / "out"))
+    out = _outcomes(cfg, m)
+    assert out.pop("img_05_poison.jpg") == "decode_error" and set(out.values()) == {ACCEPTED}
+    store = Store(cfg.output)
+    q = store.read_table(store.path("datasets", m["dataset_fingerprint"], "quarantine.parquet")).to_pylist()
+    assert "worker process died" in q[0]["detail"], q
