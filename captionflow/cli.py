@@ -41,7 +41,7 @@ def _summary_text(s: dict) -> str:
         f"  run       {s['run_dir']}",
         f"  images    {c['total']} listed: {c['accepted']} accepted, {c['quarantined']} quarantined, "
         f"{c['duplicates']} duplicates",
-        *([f"  hidden    {h['count']} hidden entries not taken as inputs (names starting with '.'): "
+        *([f"  hidden    {h['count']} hidden entr{'y' if h['count'] == 1 else 'ies'} not taken as inputs (names starting with '.'): "
            + ", ".join(h["examples"]) + (", ..." if h["count"] > len(h["examples"]) else "")]
           if (h := s.get("hidden_skipped") or {}).get("count") else []),
         *(["  reasons   " + ", ".join(f"{k} {v}" for k, v in sorted(s["quarantine_reasons"].items()))
