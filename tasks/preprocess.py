@@ -28,9 +28,9 @@ from captionflow.retry import retry_transient
 from captionflow.storage import Store, open_fs
 from tasks.ingest import SCHEMA_VERSION, IngestResult
 
+log = logging.getLogger(__name__)
 # The workers' result columns (RESULT_SCHEMA), split: accepted rows into shards (image: RGB JPEG,
 # longest side <= max_image_side), rejected inputs into quarantine.parquet.
-log = logging.getLogger(__name__)
 SHARD_SCHEMA = pa.schema([RESULT_SCHEMA.field(n) for n in (
     "image_id", "source", "image", "width", "height", "orig_format", "orig_width", "orig_height", "references")])
 QUARANTINE_SCHEMA = pa.schema([RESULT_SCHEMA.field(n) for n in ("source", "reason", "detail", "size_bytes")])
