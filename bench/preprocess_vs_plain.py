@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-_CPU_SEEN: dict[int, tuple[str, float]] = {}  # pid -> (name, CPU seconds) when last sampled
+_CPU_SEEN: dict[int, tuple[str, float, int]] = {}  # pid -> (name, CPU seconds, minor page faults) when last sampled
 
 
 def _tree_rss_sampler(stop: threading.Event, peak: list[int]) -> None:
@@ -48,21 +48,23 @@ def _tree_rss_sampler(stop: threading.Event, peak: list[int]) -> None:
             try:
                 total += p.memory_info().rss
                 _CPU_SEEN[p.pid] = _cpu_of(p, me)
-            except psutil.Error:
+            except (psutil.Error, OSError):
                 pass
         peak[0] = max(peak[0], total)
         time.sleep(0.5)  # one pass costs ~4 ms of this process's CPU with ~15 Ray processes
 
 
-def _cpu_of(p, me) -> tuple[str, float]:
+def _cpu_of(p, me) -> tuple[str, float, int]:
     t = p.cpu_times()
     name = "driver" if p.pid == me.pid else p.name()
     if name.startswith("ray::"):  # workers are named after what they run now
         name = "map workers" if "MapWorker" in name else "ray worker"  # the stage's actor pool vs. others
-    return name, t.user + t.system
+    with open(f"/proc/{p.pid}/stat") as f:  # minflt: the 10th field (Linux)
+        minflt = int(f.read().rsplit(")", 1)[1].split()[7])
+    return name, t.user + t.system, minflt
 
 
-def _cpu_by_process() -> dict[int, tuple[str, float]]:
+def _cpu_by_process() -> dict[int, tuple[str, float, int]]:
     """CPU seconds (user + system) so far of this process and every descendant, by pid, with a short
     name; processes gone since the sampler saw them count with their last sample."""
     import psutil
@@ -72,7 +74,7 @@ def _cpu_by_process() -> dict[int, tuple[str, float]]:
     for p in [me] + me.children(recursive=True):
         try:
             out[p.pid] = _cpu_of(p, me)
-        except psutil.Error:
+        except (psutil.Error, OSError):
             pass
     return out
 
@@ -80,16 +82,23 @@ def _cpu_by_process() -> dict[int, tuple[str, float]]:
 def _cpu_delta(before: dict, after: dict) -> dict[str, float]:
     """CPU seconds spent between two snapshots, summed by process name."""
     spent: dict[str, float] = {}
-    for pid, (name, secs) in after.items():
-        spent[name] = spent.get(name, 0.0) + secs - before.get(pid, (name, 0.0))[1]
+    for pid, (name, secs, _) in after.items():
+        spent[name] = spent.get(name, 0.0) + secs - before.get(pid, (name, 0.0, 0))[1]
     return {k: round(v, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v >= 0.05}
+
+
+def _map_worker_faults(before: dict, after: dict) -> int:
+    """Minor page faults of the stage's actor pool between two snapshots."""
+    return sum(flt - before.get(pid, (name, 0.0, 0))[2] for pid, (name, _, flt) in after.items() if name == "map workers")
 
 
 def side_plain(images: str) -> dict:
     from captionflow.images import Rejected, normalise_image
 
+    import resource
+
     files = sorted(Path(images).iterdir())
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0, f0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     ok = 0
     for f in files:
         try:
@@ -98,7 +107,8 @@ def side_plain(images: str) -> dict:
         except Rejected:
             pass
     return {"seconds": time.perf_counter() - t0, "images": len(files), "accepted": ok, "cores": 1,
-            "cpu_s_total": round(time.process_time() - c0, 1)}
+            "cpu_s_total": round(time.process_time() - c0, 1),
+            "page_faults_per_image": round((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / len(files), 1)}
 
 
 def side_pipeline(images: str, out: str, warm: bool = False, peak: list | None = None) -> dict:
@@ -127,13 +137,15 @@ def side_pipeline(images: str, out: str, warm: bool = False, peak: list | None =
     t1 = time.perf_counter()
     m = preprocess(ingest(cfg), cfg)
     seconds = time.perf_counter() - t1
-    cpu_s = _cpu_delta(cpu0, _cpu_by_process())
+    cpu1 = _cpu_by_process()
+    cpu_s = _cpu_delta(cpu0, cpu1)
     cores = os.cpu_count()
     after_first = sum(n for _, n in arrivals[1:]) / max(1e-9, arrivals[-1][0] - arrivals[0][0]) / cores
     result = {"seconds": seconds, "ray_init_s": t_ray, "images": m["counts"]["listed"],
               "accepted": m["counts"]["accepted"], "cores": cores, "first_result_s": round(arrivals[0][0] - t1, 2),
               "first_batch_rows": arrivals[0][1], "img_s_per_core_after_first_result": round(after_first, 1),
-              "cpu_s_by_process": cpu_s, "cpu_s_total": round(sum(cpu_s.values()), 1)}
+              "cpu_s_by_process": cpu_s, "cpu_s_total": round(sum(cpu_s.values()), 1),
+              "page_faults_per_image_map_workers": round(_map_worker_faults(cpu0, cpu1) / m["counts"]["listed"], 1)}
     if warm:  # the same again in this Ray session (Ray Data's helper actors already up), fresh output root
         result["peak_rss_mb_first_run"] = peak[0] / 2**20
         arrivals.clear()
@@ -208,6 +220,9 @@ def main() -> int:
         if "warm_ratio_per_core" in r:
             print(f"N={r['n']} again in the same Ray session: {r['pipeline']['warm']['img_s_per_core']} img/s/core,"
                   f" ratio {r['warm_ratio_per_core']}, first result {r['pipeline']['warm']['first_result_s']} s")
+    for r in results["runs"]:
+        print(f"N={r['n']} minor page faults per image: plain {r['plain']['page_faults_per_image']},"
+              f" pipeline's actor pool {r['pipeline']['page_faults_per_image_map_workers']}")
     if "rss_ratio_largest_vs_smallest" in results:
         print("pipeline peak RSS, largest N / smallest N:", results["rss_ratio_largest_vs_smallest"])
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 from PIL import Image
@@ -67,3 +68,61 @@ def test_rejections_have_reasons():
     assert _reason(_png(Image.new("RGB", (4, 4)))) == "too_small"
     assert _reason(_png(Image.new("RGB", (5000, 12)))) == "extreme_aspect_ratio"
     assert _reason(_png(Image.new("L", (3000, 3000))), max_input_pixels=1_000_000) == "too_many_pixels"
+
+
+
+KEEP_FREED_PROBE = r"""
+import json, resource, sys, threading
+from pathlib import Path
+import fsspec
+import pyarrow as pa
+from captionflow.preprocess_items import ItemProcessor, keep_freed_memory, process_item
+files = sorted(Path(sys.argv[1]).iterdir())
+items = pa.Table.from_pylist([{"path": str(f).encode(), "name": f.name, "size": f.stat().st_size, "problem": "",
+                               "row_group": -1, "first_row": 0, "rows": 1, "item": i} for i, f in enumerate(files)])
+params = dict(fs=fsspec.filesystem("file"), kind="images", image_column=None, caption_column=None,
+              references={}, max_side=448, max_pixels=10**8, max_bytes=2**30)
+run_block = ItemProcessor.__call__.__get__(type("Bare", (), {"params": params})())  # the actor's call, no __init__
+if sys.argv[2] == "kept":
+    assert keep_freed_memory()
+def blocks(out):  # as in the actor: blocks on a thread of its own, the last outputs still referenced
+    held = []
+    for _ in range(6):
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        held = [*held[-1:], run_block(items)]
+        out.append((resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before) / len(files))
+out = []
+t = threading.Thread(target=blocks, args=(out,))
+t.start(); t.join()
+print(json.dumps(out))
+"""
+
+
+def test_preprocess_workers_keep_freed_memory_between_images(tmp_path):
+    """The preprocess actors run their blocks on a thread of their own (a glibc thread arena); with
+    malloc's default, dynamic thresholds that arena gave the pixel buffers back to the OS between
+    images and the next image faulted them in again. ``keep_freed_memory`` (run by each actor) must
+    stop that: counted with the kernel's minor-fault counter of the working thread, in fresh processes
+    running the actor's own block function over 640x480 photos, without and with it."""
+    import platform
+    import subprocess
+    import sys
+
+    from bench.synthetic import make_images
+
+    if not (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"):
+        pytest.skip("mallopt thresholds are glibc's")
+    make_images(tmp_path / "img", 128)
+
+    def faults(mode: str) -> float:
+        p = subprocess.run([sys.executable, "-c", KEEP_FREED_PROBE, str(tmp_path / "img"), mode],
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        per_block = json.loads(p.stdout.strip().splitlines()[-1])
+        return sum(per_block[1:]) / len(per_block[1:])  # after the first block (the heap grows to size)
+
+    default, kept = faults("default"), faults("kept")
+    print(f"minor page faults per image: default {default:.1f}, kept {kept:.1f}")
+    # a 640x480 decode needs ~1.2 MB of pixel buffers: ~300 pages when faulted in again
+    assert kept < 20, (default, kept)
+    assert default > 2 * kept, (default, kept)  # the effect this guards against is real here
