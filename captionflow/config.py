@@ -48,6 +48,11 @@ class RunConfig(BaseModel):
         512, ge=1, title="Byte budget per input (MB)",
         description="Larger inputs are quarantined (too_large) from the listing's size, without being read: "
                     "a video or an archive among the images must not fill a worker's memory.")
+    decode_timeout_s: int = Field(
+        60, ge=1, title="Seconds one image may take to decode",
+        description="An image still decoding after this long ends its worker process (a hung decoder cannot be "
+                    "interrupted): its block is retried twice, then its files run alone, and a file that hangs "
+                    "again is quarantined (decode_error). Not part of the dataset fingerprint.")
     image_column: Optional[str] = Field(
         None, title="Parquet image column", description="Default: the first of image, img, image_bytes, jpg, png.")
     caption_column: Optional[str] = Field(

@@ -23,7 +23,7 @@ REASONS = {
     "unsupported_format": "an image container this installation cannot decode (HEIC/HEIF, AVIF without a plugin, JPEG XL)"
                           " or will not (EPS: rendering it runs Ghostscript)",
     "decode_error": "the header parsed but the pixels did not decode (truncated or corrupt), or decoding it killed "
-                    "the worker process again when it ran alone",
+                    "the worker process (or ran past decode_timeout_s) again when it ran alone",
     "too_many_pixels": "width x height exceeds the pixel budget (decompression-bomb guard), checked before decoding",
     "too_many_scans": "a JPEG with more than MAX_JPEG_SCANS scans (decoding-time bomb: every scan walks the whole "
                       "image again), checked before decoding",

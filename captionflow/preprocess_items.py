@@ -7,6 +7,11 @@ Prefect costs each worker over a second of CPU, a large share of a small job on 
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import time
+
 import pyarrow as pa
 
 from captionflow.images import Rejected, normalise_image
@@ -26,8 +31,33 @@ def _row(source: str, refs: list[str], reason: str, detail: str, size: int) -> d
             "size_bytes": size}
 
 
+_DECODING: list = [None]  # (monotonic start, source) of the image this process is decoding now, if any
+_WATCHDOG: list = []  # the watchdog thread of this process, once started
+
+
+def _watch(seconds: float) -> None:
+    while True:
+        time.sleep(min(1.0, seconds / 4))
+        now = _DECODING[0]
+        if now is not None and time.monotonic() - now[0] > seconds:
+            sys.stderr.write(f"captionflow: {now[1]!r} still decoding after {seconds:g} s (decode_timeout_s):"
+                             " ending this worker process\n")
+            sys.stderr.flush()
+            os._exit(75)  # a decoder stuck in C cannot be interrupted; the stage treats this as a crash
+
+
+def start_watchdog(seconds: float | None) -> None:
+    """End this process when one image takes longer than ``seconds`` to decode and normalise: a file
+    that hangs its decoder then costs its worker, like one that crashes it (see ``tasks/preprocess.py``:
+    the block is retried, then its items run alone, and the one that hangs again is quarantined)."""
+    if seconds and not _WATCHDOG:
+        _WATCHDOG.append(threading.Thread(target=_watch, args=(seconds,), daemon=True, name="decode-watchdog"))
+        _WATCHDOG[0].start()
+
+
 def _result(source: str, data: bytes, refs: list[str], max_side: int, max_pixels: int, max_bytes: int) -> dict:
     row = _row(source, refs, "", "", len(data))
+    _DECODING[0] = (time.monotonic(), source)
     try:
         if len(data) > max_bytes:
             raise Rejected("too_large", f"{len(data)} bytes > budget {max_bytes}")
@@ -38,6 +68,8 @@ def _result(source: str, data: bytes, refs: list[str], max_side: int, max_pixels
     except Exception as e:  # whatever else a hostile file provokes costs this input, never the run
         row.update(reason="decode_error", detail=f"unexpected {type(e).__name__} while normalising: {e}")
         return row
+    finally:
+        _DECODING[0] = None
     row.update(image_id=n.image_id, image=n.data, width=n.width, height=n.height, orig_format=n.orig_format,
                orig_width=n.orig_width, orig_height=n.orig_height)
     return row
@@ -151,9 +183,10 @@ class ItemProcessor:
     actors, not tasks). A block in, one Arrow table of results out, built here with its schema
     (a per-row ``flat_map`` had Ray Data hand each row over and infer the column types)."""
 
-    def __init__(self, **params):
+    def __init__(self, decode_timeout_s: float | None = None, **params):
         self.params = params
         keep_freed_memory()
+        start_watchdog(decode_timeout_s)
 
     def __call__(self, items: pa.Table) -> pa.Table:
         rows = []

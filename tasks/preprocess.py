@@ -9,7 +9,8 @@ by Ray Data's backpressure and one open shard, whatever the dataset size. Each i
 exactly once and ends in exactly one place; ``manifest.json`` is written last, so a dataset
 folder without it is unfinished and is rebuilt. A block whose worker process dies (a decoder crash)
 is retried twice, then its items run one by one, so that only the file that kills its worker is
-quarantined (Ray Data alone would retry the block forever).
+quarantined (Ray Data alone would retry the block forever). A file that hangs its decoder past
+``decode_timeout_s`` ends its worker the same way (a watchdog thread in each worker).
 """
 
 from __future__ import annotations
@@ -162,7 +163,8 @@ def preprocess(ing: IngestResult, cfg: RunConfig) -> dict:
     ctx.execution_options.preserve_order, ctx.max_errored_blocks = True, -1
     item_params = dict(fs=fs, kind=ing.kind, image_column=ing.image_column, caption_column=ing.caption_column,
                        references=ing.references, max_side=params["max_image_side"],
-                       max_pixels=params["max_input_pixels"], max_bytes=params["max_input_mb"] * 2**20)
+                       max_pixels=params["max_input_pixels"], max_bytes=params["max_input_mb"] * 2**20,
+                       decode_timeout_s=cfg.decode_timeout_s)
     try:
         # An actor pool, one actor per core, each sent its next block while it works on the current
         # one: plain tasks left each core idle ~0.17 s between one task and the next (the driver has
@@ -212,8 +214,9 @@ def preprocess(ing: IngestResult, cfg: RunConfig) -> dict:
         for item, ref in [(item, alone.remote(item, item_params)) for item in lost]:
             try:
                 take(ray.get(ref))
-            except ray.exceptions.RayError as e:  # it killed its worker again: this item is the poison
-                why = f"the worker process died processing it, twice alone ({type(e).__name__}: {str(e)[:200]})"
+            except ray.exceptions.RayError as e:  # it killed (or hung) its worker again: this item is the poison
+                why = (f"the worker process died processing it, or it decoded for over decode_timeout_s="
+                       f"{cfg.decode_timeout_s} s, twice alone ({type(e).__name__}: {str(e)[:200]})")
                 rows = failed_rows(item, "decode_error", why)
                 take(pa.Table.from_pylist([{**r, "item": item["item"]} for r in rows], schema=RESULT_SCHEMA))
     writer.flush()

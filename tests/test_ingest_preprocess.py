@@ -337,14 +337,27 @@ class _Crash(ImageFile.ImageFile):
 
 
 Image.register_open("CRASHME", _Crash, lambda prefix: prefix[:8] == b"CRASHME!")
+
+
+class _Hang(ImageFile.ImageFile):
+    format = "HANGME"
+
+    def _open(self):
+        import time
+        while True:  # a decoder that never returns
+            time.sleep(0.1)
+
+
+Image.register_open("HANGME", _Hang, lambda prefix: prefix[:8] == b"HANGME!!")
 '''
 
 
-def test_a_file_that_crashes_its_worker_is_quarantined_not_retried_forever(tmp_path):
+def test_a_file_that_crashes_or_hangs_its_worker_is_quarantined_not_retried_forever(tmp_path):
     """A file whose decoder kills the worker process (here a real SIGABRT from a Pillow plugin that
     every process of a fresh Ray loads through sitecustomize): Ray Data would restart the worker and
     retry the block forever. The block is retried twice, then each of its files runs alone; the
-    poison is quarantined with the reason, every other file goes through."""
+    poison is quarantined with the reason, every other file goes through. A file whose decoder never
+    returns ends its worker after decode_timeout_s and is handled the same way."""
     import json
     import subprocess
     import sys
@@ -356,9 +369,10 @@ def test_a_file_that_crashes_its_worker_is_quarantined_not_retried_forever(tmp_p
     for i in range(12):
         Image.new("RGB", (64, 48), (20 * i, 100, 200)).save(ds / f"img_{i:02d}.png")
     (ds / "img_05_poison.jpg").write_bytes(b"CRASHME!" + bytes(100))
+    (ds / "img_09_hang.png").write_bytes(b"HANGME!!" + bytes(100))
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from captionflow.config import RunConfig;"
             "from tasks.ingest import ingest; from tasks.preprocess import preprocess;"
-            "cfg = RunConfig(dataset=sys.argv[2], output=sys.argv[3], device='cpu');"
+            "cfg = RunConfig(dataset=sys.argv[2], output=sys.argv[3], device='cpu', decode_timeout_s=3);"
             "print('MANIFEST' + json.dumps(preprocess(ingest(cfg), cfg)))")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), env.get("PYTHONPATH", "")])
@@ -367,10 +381,11 @@ def test_a_file_that_crashes_its_worker_is_quarantined_not_retried_forever(tmp_p
     line = next((x for x in p.stdout.splitlines() if x.startswith("MANIFEST")), None)
     assert line, p.stderr[-4000:]
     m = json.loads(line[len("MANIFEST"):])
-    assert m["counts"] == {"listed": 13, "accepted": 12, "quarantined": 1, "duplicates": 0}
+    assert m["counts"] == {"listed": 14, "accepted": 12, "quarantined": 2, "duplicates": 0}
     cfg = RunConfig(dataset=str(ds), output=str(tmp_path / "out"))
     out = _outcomes(cfg, m)
-    assert out.pop("img_05_poison.jpg") == "decode_error" and set(out.values()) == {ACCEPTED}
+    assert out.pop("img_05_poison.jpg") == "decode_error" and out.pop("img_09_hang.png") == "decode_error"
+    assert set(out.values()) == {ACCEPTED}
     store = Store(cfg.output)
     q = store.read_table(store.path("datasets", m["dataset_fingerprint"], "quarantine.parquet")).to_pylist()
-    assert "worker process died" in q[0]["detail"], q
+    assert all("worker process died" in r["detail"] and "decode_timeout_s=3" in r["detail"] for r in q), q
