@@ -70,13 +70,12 @@ def test_rejections_have_reasons():
     assert _reason(_png(Image.new("L", (3000, 3000))), max_input_pixels=1_000_000) == "too_many_pixels"
 
 
-
 KEEP_FREED_PROBE = r"""
 import json, resource, sys, threading
 from pathlib import Path
 import fsspec
 import pyarrow as pa
-from captionflow.preprocess_items import ItemProcessor, keep_freed_memory, process_item
+from captionflow.preprocess_items import ItemProcessor, keep_freed_memory
 files = sorted(Path(sys.argv[1]).iterdir())
 items = pa.Table.from_pylist([{"path": str(f).encode(), "name": f.name, "size": f.stat().st_size, "problem": "",
                                "row_group": -1, "first_row": 0, "rows": 1, "item": i} for i, f in enumerate(files)])
