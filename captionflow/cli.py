@@ -18,6 +18,7 @@ def _add_config_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) 
             continue
         flag = "--" + name.replace("_", "-")
         help_ = (field.title or name) + (f": {field.description}" if field.description else "")
+        help_ = help_.replace("%", "%%")  # argparse formats help with %: "90% of the GPU" broke --help
         ann = field.annotation
         args = typing.get_args(ann)
         base = next((a for a in args if a is not type(None)), ann) if args else ann

@@ -13,6 +13,22 @@ def test_every_parameter_is_in_the_readme():
     assert not missing, f"README's parameter table lacks {missing}"
 
 
+def test_every_command_prints_its_help(capsys):
+    import pytest
+
+    from captionflow.cli import main
+
+    helps = {}
+    for command in ([], ["run"], ["compare"], ["deploy"], ["watch"], ["build-model"], ["demo-data"]):
+        with pytest.raises(SystemExit) as done:
+            main([*command, "--help"])
+        assert done.value.code == 0, command
+        helps[" ".join(command)] = capsys.readouterr().out
+        assert helps[" ".join(command)].startswith("usage: captionflow"), (command, helps[" ".join(command)][:200])
+    missing = [n for n in RunConfig.model_fields if "--" + n.replace("_", "-") not in helps["run"]]
+    assert not missing, f"`captionflow run --help` lacks {missing}"
+
+
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "make test" in readme and "make run" in readme
