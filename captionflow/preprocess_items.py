@@ -88,7 +88,7 @@ def process_item(item: dict, *, fs, kind: str, image_column: str | None, caption
                          item["size"])]
         try:
             data = fs.cat_file(path)
-        except OSError as e:
+        except Exception as e:  # OSError, or what a storage client lets through (botocore's own errors)
             return [_row(item["name"], refs, "unreadable", f"{type(e).__name__}: {e}", item["size"])]
         return [_result(item["name"], data, refs, max_side, max_pixels, max_bytes)]
     import pyarrow.parquet as pq
@@ -192,7 +192,11 @@ class ItemProcessor:
     def __call__(self, items: pa.Table) -> pa.Table:
         rows = []
         for item in items.to_pylist():
-            for row in process_item(item, **self.params):
+            try:
+                out = process_item(item, **self.params)
+            except Exception as e:  # a surprise costs this item (an image, or a row group), never its block
+                out = failed_rows(item, "decode_error", f"unexpected {type(e).__name__} while processing it: {e}")
+            for row in out:
                 row["item"] = item["item"]
                 rows.append(row)
         return pa.Table.from_pylist(rows, schema=RESULT_SCHEMA)

@@ -210,7 +210,6 @@ def list_source(uri: str, image_column: str | None = None, caption_column: str |
 
 def _parquet_listing(fs, source: str, files: list[dict], image_column: str | None,
                      caption_column: str | None) -> Listing:
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     schemas = []
@@ -227,21 +226,55 @@ def _parquet_listing(fs, source: str, files: list[dict], image_column: str | Non
                 schemas.append(meta.schema_arrow)
         except Exception as e:
             raise DatasetError(f"{f['path']}: not a readable Parquet file ({type(e).__name__}: {e})") from None
-    names = schemas[0].names
-    img = image_column or next((c for c in IMAGE_COLUMNS if c in names), None)
-    cap = caption_column or next((c for c in CAPTION_COLUMNS if c in names), None)
+    if not sum(f["rows"] for f in files):
+        raise DatasetError(f"dataset {source!r}: {len(files)} Parquet file(s), 0 rows")
+    first = schemas[0]
+    names = first.names
+    # Named columns are checked; of the usual names, the first with a fitting type is taken (a
+    # numeric "text" column is not taken for captions, and the log says so).
+    img = image_column or next((c for c in IMAGE_COLUMNS if c in names and _image_type(first.field(c).type)),
+                               next((c for c in IMAGE_COLUMNS if c in names), None))
+    cap = caption_column or next((c for c in CAPTION_COLUMNS if c in names and _caption_type(first.field(c).type)), None)
+    if not caption_column:
+        for c in CAPTION_COLUMNS[:CAPTION_COLUMNS.index(cap) if cap else None]:
+            if c in names:
+                log.warning("%s: column %r is %s, not text: not taken as reference captions (caption_column "
+                            "names one)", source, c, first.field(c).type)
     for f, schema in zip(files, schemas):  # every file, not just the first: a worker must not meet a surprise
         where = source if len(files) == 1 else f"{source}: {f['name']}"
         if img is None or img not in schema.names:
             raise DatasetError(f"{where}: no image column (looked for {image_column or IMAGE_COLUMNS}; has {schema.names})")
-        t = schema.field(img).type
-        ok = pa.types.is_binary(t) or pa.types.is_large_binary(t) or (
-            pa.types.is_struct(t) and t.get_field_index("bytes") >= 0)
-        if not ok:
+        if not _image_type(t := schema.field(img).type):
             raise DatasetError(f"{where}: column {img!r} is {t}; expected binary or a struct {{bytes, path}}")
         if cap and cap not in schema.names:
             raise DatasetError(f"{where}: no caption column {cap!r} (has {schema.names})")
+        if cap and not _caption_type(t := schema.field(cap).type):
+            raise DatasetError(f"{where}: caption column {cap!r} is {t}; expected a string or a list of strings")
     return Listing(source=source, kind="parquet", files=files, image_column=img, caption_column=cap)
+
+
+def _text_type(t) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or (
+        pa.types.is_dictionary(t) and _text_type(t.value_type))
+
+
+def _image_type(t) -> bool:
+    """Binary, or a Hugging Face ``{bytes, path}`` struct."""
+    import pyarrow as pa
+
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t) or (
+        pa.types.is_struct(t) and t.get_field_index("bytes") >= 0)
+
+
+def _caption_type(t) -> bool:
+    """A string, a list of strings, or all null (no captions)."""
+    import pyarrow as pa
+
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        t = t.value_type
+    return _text_type(t) or pa.types.is_null(t)
 
 
 def ingest(cfg: RunConfig) -> IngestResult:

@@ -180,7 +180,7 @@ def preprocess(ing: IngestResult, cfg: RunConfig) -> dict:
     quarantine: list[dict] = []
     seen: dict[str, str] = {}
     n_seen = 0
-    done = bytearray(len(items))  # work items whose results arrived
+    done = bytearray(item["rows"] == 0 for item in items)  # work items whose results arrived (an empty row group has none)
 
     def take(batch: pa.Table) -> None:
         nonlocal n_seen

@@ -70,6 +70,37 @@ def test_rejections_have_reasons():
     assert _reason(_png(Image.new("L", (3000, 3000))), max_input_pixels=1_000_000) == "too_many_pixels"
 
 
+def test_a_storage_error_or_a_surprise_costs_its_item_not_its_block():
+    """A storage client's own exception (not an OSError: botocore lets some through) quarantines that
+    file as unreadable; any other surprise in one item is that item's decode_error; the rest of the
+    block is processed (a raised exception would have failed the block: retries, then items alone)."""
+    import fsspec.implementations.memory as memory
+    import pyarrow as pa
+
+    from captionflow.preprocess_items import ItemProcessor
+
+    class FlakyStore(memory.MemoryFileSystem):
+        def cat_file(self, path, *args, **kwargs):
+            if path.endswith("b.png"):
+                raise RuntimeError("the storage client's own error")
+            return super().cat_file(path, *args, **kwargs)
+
+    fs = FlakyStore()
+    fs.store.clear()
+    for name in ("a.png", "b.png", "c.png"):
+        fs.pipe_file(f"/cf/{name}", _png(Image.new("RGB", (40, 30), "red")))
+    items = [{"path": f"/cf/{n}".encode(), "name": n, "size": 1, "problem": "", "row_group": -1, "first_row": 0,
+              "rows": 1, "item": i} for i, n in enumerate(("a.png", "b.png", "c.png"))]
+    items.append({**items[0], "name": "malformed", "size": None, "item": 3})  # a bug in the stage, met in the worker
+    run_block = ItemProcessor(fs=fs, kind="images", image_column=None, caption_column=None, references={},
+                              max_side=448, max_pixels=10**8, max_bytes=2**30)
+    out = run_block(pa.Table.from_pylist(items)).to_pylist()
+    assert [(r["source"], r["reason"]) for r in out] == [
+        ("a.png", ""), ("b.png", "unreadable"), ("c.png", ""), ("malformed", "decode_error")]
+    assert "RuntimeError: the storage client's own error" in out[1]["detail"]
+    assert "unexpected TypeError" in out[3]["detail"] and [r["item"] for r in out] == [0, 1, 2, 3]
+
+
 KEEP_FREED_PROBE = r"""
 import json, resource, sys, threading
 from pathlib import Path

@@ -248,6 +248,33 @@ def test_bad_sources_say_what_and_where(tmp_path):
     pq.write_table(pa.table({"x": [1, 2]}), tmp_path / "pq" / "a.parquet")
     with pytest.raises(DatasetError, match="no image column"):
         ingest(RunConfig(dataset=str(tmp_path / "pq"), output=str(tmp_path / "o")))
+    (tmp_path / "pq0").mkdir()
+    pq.write_table(pa.table({"image": pa.array([], pa.binary())}), tmp_path / "pq0" / "a.parquet")
+    with pytest.raises(DatasetError, match="0 rows"):
+        ingest(RunConfig(dataset=str(tmp_path / "pq0"), output=str(tmp_path / "o")))
+    (tmp_path / "pqn").mkdir()
+    pq.write_table(pa.table({"image": [b"x"], "score": [0.5]}), tmp_path / "pqn" / "a.parquet")
+    with pytest.raises(DatasetError, match="caption column 'score' is double"):
+        ingest(RunConfig(dataset=str(tmp_path / "pqn"), output=str(tmp_path / "o"), caption_column="score"))
+
+
+def test_parquet_columns_by_type_and_empty_files(tmp_path, caplog):
+    """Of the usual column names, only one of a fitting type is taken (a numeric "text" column is not
+    reference captions: it made every row a decode_error); a file with no rows adds none and loses none."""
+    (tmp_path / "ds").mkdir()
+    jpg = io.BytesIO()
+    Image.new("RGB", (40, 30), "red").save(jpg, format="JPEG")
+    pq.write_table(pa.table({"image": pa.array([], pa.binary()), "text": pa.array([], pa.float64())}),
+                   tmp_path / "ds" / "a-empty.parquet")
+    pq.write_table(pa.table({"image": [jpg.getvalue(), b"junk"], "text": [1.5, 2.0]}), tmp_path / "ds" / "b.parquet")
+    cfg = RunConfig(dataset=str(tmp_path / "ds"), output=str(tmp_path / "out"))
+    with caplog.at_level("WARNING"):
+        ing = ingest(cfg)
+        assert ing.caption_column is None and ing.n_inputs == 2
+        assert "column 'text' is double, not text" in caplog.text
+        m = preprocess(ing, cfg)
+    assert _outcomes(cfg, m) == {"b.parquet#0": ACCEPTED, "b.parquet#1": "not_an_image"}
+    assert "lost" not in caplog.text
 
 
 def test_s3_source_and_output(s3_bucket, tmp_path):
