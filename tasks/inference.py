@@ -159,7 +159,9 @@ def engine_layout(cfg: RunConfig, model: ResolvedModel, preset: Preset) -> dict[
 
 def map_task_kwargs(preset: Preset) -> dict[str, Any]:
     """Resources and concurrency of every plain map/read task of the LLM passes (see presets.py)."""
-    return {"num_cpus": preset.map_cpus, "concurrency": preset.map_concurrency}
+    import ray.data
+
+    return {"num_cpus": preset.map_cpus, "compute": ray.data.TaskPoolStrategy(size=preset.map_concurrency)}
 
 
 def build_vlm_processor(cfg: RunConfig, model: ResolvedModel, preset: Preset, preprocess, postprocess):
@@ -245,7 +247,7 @@ def read_pending(store: Store, shard_paths: list[str], columns: list[str], pendi
 
     # pyarrow's own S3 filesystem ignores AWS_ENDPOINT_URL: hand Ray the fsspec one explicitly.
     ds = ray.data.read_parquet(shard_paths, filesystem=PyFileSystem(FSSpecHandler(store.fs)), columns=columns,
-                               ray_remote_args={"num_cpus": preset.map_cpus}, concurrency=preset.map_concurrency)
+                               num_cpus=preset.map_cpus, concurrency=preset.map_concurrency)
     ds = ds.map_batches(functools.partial(keep_pending, pending=pa.array(pending, pa.string())),
                         batch_format="pyarrow", **map_task_kwargs(preset))
     return ds.repartition(target_num_rows_per_block=rows_per_block)
