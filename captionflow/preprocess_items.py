@@ -32,14 +32,16 @@ def _row(source: str, refs: list[str], reason: str, detail: str, size: int) -> d
 
 
 _DECODING: list = [None]  # (monotonic start, source) of the image this process is decoding now, if any
+_TIMEOUT: list = [0.0]  # decode_timeout_s of the stage that used this process last (a pooled worker serves many)
 _WATCHDOG: list = []  # the watchdog thread of this process, once started
 
 
-def _watch(seconds: float) -> None:
+def _watch() -> None:
     while True:
-        time.sleep(min(1.0, seconds / 4))
+        seconds = _TIMEOUT[0]
+        time.sleep(min(1.0, seconds / 4) if seconds else 1.0)
         now = _DECODING[0]
-        if now is not None and time.monotonic() - now[0] > seconds:
+        if seconds and now is not None and time.monotonic() - now[0] > seconds:
             sys.stderr.write(f"captionflow: {now[1]!r} still decoding after {seconds:g} s (decode_timeout_s):"
                              " ending this worker process\n")
             sys.stderr.flush()
@@ -49,9 +51,11 @@ def _watch(seconds: float) -> None:
 def start_watchdog(seconds: float | None) -> None:
     """End this process when one image takes longer than ``seconds`` to decode and normalise: a file
     that hangs its decoder then costs its worker, like one that crashes it (see ``tasks/preprocess.py``:
-    the block is retried, then its items run alone, and the one that hangs again is quarantined)."""
+    the block is retried, then its items run alone, and the one that hangs again is quarantined).
+    One thread per process; each call sets the limit it applies from then on (None or 0: none)."""
+    _TIMEOUT[0] = float(seconds or 0)
     if seconds and not _WATCHDOG:
-        _WATCHDOG.append(threading.Thread(target=_watch, args=(seconds,), daemon=True, name="decode-watchdog"))
+        _WATCHDOG.append(threading.Thread(target=_watch, daemon=True, name="decode-watchdog"))
         _WATCHDOG[0].start()
 
 

@@ -101,6 +101,31 @@ def test_a_storage_error_or_a_surprise_costs_its_item_not_its_block():
     assert "unexpected TypeError" in out[3]["detail"] and [r["item"] for r in out] == [0, 1, 2, 3]
 
 
+WATCHDOG_PROBE = r"""
+import sys, time
+from captionflow import preprocess_items as p
+for s in sys.argv[1:]:  # one process serving several stages in turn (a pooled Ray worker)
+    p.start_watchdog(float(s) or None)
+p._DECODING[0] = (time.monotonic(), "stuck.jpg")
+time.sleep(3)
+print("still alive")
+"""
+
+
+def test_the_decode_watchdog_applies_the_latest_stages_limit():
+    import subprocess
+    import sys
+
+    def run(*limits):
+        return subprocess.run([sys.executable, "-c", WATCHDOG_PROBE, *map(str, limits)], capture_output=True, text=True,
+                              timeout=60)
+
+    ended = run(100, 1)  # the first stage's 100 s would not have fired within 3 s
+    assert ended.returncode == 75 and "'stuck.jpg' still decoding after 1 s" in ended.stderr, ended
+    kept = run(1, 0)  # the latest stage has no limit
+    assert kept.returncode == 0 and "still alive" in kept.stdout, kept
+
+
 KEEP_FREED_PROBE = r"""
 import json, resource, sys, threading
 from pathlib import Path
