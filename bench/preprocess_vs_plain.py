@@ -36,7 +36,8 @@ _CPU_SEEN: dict[int, tuple[str, float, int]] = {}  # pid -> (name, CPU seconds, 
 
 
 def _tree_rss_sampler(stop: threading.Event, peak: list[int]) -> None:
-    """Every 0.5 s: the summed RSS of this process and its descendants (peak kept), and each one's
+    """Every 0.5 s: the summed RSS of this process and its descendants (peak kept in ``peak[0]``, this
+    process's own in ``peak[1]``: the driver's share, which grows with the number of inputs), and each one's
     CPU time so far, so that a process that exits before the end (Ray Data's actors do, when their
     pool shuts down) still counts up to its last sample."""
     import psutil
@@ -44,6 +45,7 @@ def _tree_rss_sampler(stop: threading.Event, peak: list[int]) -> None:
     me = psutil.Process()
     while not stop.is_set():
         total = 0
+        peak[1] = max(peak[1], me.memory_info().rss)
         for p in [me] + me.children(recursive=True):
             try:
                 total += p.memory_info().rss
@@ -148,6 +150,7 @@ def side_pipeline(images: str, out: str, warm: bool = False, peak: list | None =
               "page_faults_per_image_map_workers": round(_map_worker_faults(cpu0, cpu1) / m["counts"]["listed"], 1)}
     if warm:  # the same again in this Ray session (Ray Data's helper actors already up), fresh output root
         result["peak_rss_mb_first_run"] = peak[0] / 2**20
+        result["driver_peak_rss_mb_first_run"] = peak[1] / 2**20
         arrivals.clear()
         cpu0 = _cpu_by_process()
         t1 = time.perf_counter()
@@ -161,9 +164,9 @@ def side_pipeline(images: str, out: str, warm: bool = False, peak: list | None =
 
 def run_side(side: str, images: str, out: str, warm: bool = False) -> dict:
     code = (f"import json,sys,threading; sys.path.insert(0,{str(ROOT)!r}); import bench.preprocess_vs_plain as b;"
-            "stop=threading.Event(); peak=[0]; t=threading.Thread(target=b._tree_rss_sampler,args=(stop,peak),daemon=True);"
+            "stop=threading.Event(); peak=[0, 0]; t=threading.Thread(target=b._tree_rss_sampler,args=(stop,peak),daemon=True);"
             f"t.start(); r=b.side_{side}({images!r}" + (f",{out!r},{warm!r},peak" if side == "pipeline" else "") + ");"
-            "stop.set(); t.join(); r['peak_rss_mb']=peak[0]/2**20; print('RESULT'+json.dumps(r))")
+            "stop.set(); t.join(); r['peak_rss_mb']=peak[0]/2**20; r['driver_peak_rss_mb']=peak[1]/2**20; print('RESULT'+json.dumps(r))")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT")), None)
@@ -201,15 +204,19 @@ def main() -> int:
             "pipeline_img_s_per_core_incl_ray_start": round(
                 pipe["images"] / (pipe["seconds"] + pipe["ray_init_s"]) / pipe["cores"], 1),
             "plain_peak_rss_mb": round(max(plain["peak_rss_mb"], plain_after["peak_rss_mb"])),
-            "pipeline_peak_rss_mb": round(pipe.get("peak_rss_mb_first_run", pipe["peak_rss_mb"])), "plain": plain, "plain_after": plain_after, "pipeline": pipe,
+            "pipeline_peak_rss_mb": round(pipe.get("peak_rss_mb_first_run", pipe["peak_rss_mb"])),
+            "driver_peak_rss_mb": round(pipe.get("driver_peak_rss_mb_first_run", pipe["driver_peak_rss_mb"])), "plain": plain, "plain_after": plain_after, "pipeline": pipe,
         }
         row["ratio_per_core"] = round(row["pipeline_img_s_per_core"] / row["plain_img_s_per_core"], 3)
         if "warm" in pipe:
             row["warm_ratio_per_core"] = round(pipe["warm"]["img_s_per_core"] / row["plain_img_s_per_core"], 3)
         results["runs"].append(row)
     if len(results["runs"]) >= 2:
-        results["rss_ratio_largest_vs_smallest"] = round(
-            results["runs"][-1]["pipeline_peak_rss_mb"] / results["runs"][0]["pipeline_peak_rss_mb"], 3)
+        first, last = results["runs"][0], results["runs"][-1]
+        results["rss_ratio_largest_vs_smallest"] = round(last["pipeline_peak_rss_mb"] / first["pipeline_peak_rss_mb"], 3)
+        # what the driver holds per input (listing, work items, duplicate map): its peak's growth per input
+        results["driver_rss_kb_per_input"] = round(
+            (last["driver_peak_rss_mb"] - first["driver_peak_rss_mb"]) * 1024 / max(1, last["n"] - first["n"]), 2)
     print(f"{'N':>7} {'plain img/s/core':>17} {'pipeline img/s/core':>20} {'ratio':>6} {'plain RSS MB':>13}"
           f" {'pipeline RSS MB':>16} {'first result s':>15} {'after it img/s/core':>20}")
     for r in results["runs"]:
@@ -224,7 +231,8 @@ def main() -> int:
         print(f"N={r['n']} minor page faults per image: plain {r['plain']['page_faults_per_image']},"
               f" pipeline's actor pool {r['pipeline']['page_faults_per_image_map_workers']}")
     if "rss_ratio_largest_vs_smallest" in results:
-        print("pipeline peak RSS, largest N / smallest N:", results["rss_ratio_largest_vs_smallest"])
+        print("pipeline peak RSS, largest N / smallest N:", results["rss_ratio_largest_vs_smallest"],
+              f"; the driver's peak grows {results['driver_rss_kb_per_input']} KB per input")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     print("wrote", args.json)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -44,13 +45,16 @@ def shard_paths(store: Store, manifest: dict) -> list[str]:
     return [store.path("datasets", manifest["dataset_fingerprint"], "shards", s) for s in manifest["shards"]]
 
 
-def work_items(ing: IngestResult) -> list[dict]:
-    """One item per image file or Parquet row group. ``path`` travels as bytes (``surrogateescape``):
-    a local file name need not be valid UTF-8, an Arrow string must be."""
+ITEM_SCHEMA = pa.schema([("path", pa.binary()), ("name", pa.string()), ("size", pa.int64()), ("problem", pa.string()),
+                         ("row_group", pa.int64()), ("first_row", pa.int64()), ("rows", pa.int64()), ("item", pa.int64())])
+
+
+def _item_rows(ing: IngestResult) -> Iterator[dict]:
     if ing.kind == "images":
-        return [{"path": f["path"].encode("utf-8", "surrogateescape"), "name": f["name"], "size": f["size"],
-                 "problem": f.get("problem", ""), "row_group": -1, "first_row": 0, "rows": 1} for f in ing.files]
-    items = []
+        for f in ing.files:
+            yield {"path": f["path"].encode("utf-8", "surrogateescape"), "name": f["name"], "size": f["size"],
+                   "problem": f.get("problem", ""), "row_group": -1, "first_row": 0, "rows": 1}
+        return
     fs, _ = open_fs(ing.source)
     import pyarrow.parquet as pq
 
@@ -60,10 +64,21 @@ def work_items(ing: IngestResult) -> list[dict]:
         first = 0
         for g in range(meta.num_row_groups):
             rows = meta.row_group(g).num_rows
-            items.append({"path": f["path"].encode("utf-8", "surrogateescape"), "name": f["name"], "size": f["size"],
-                          "problem": "", "row_group": g, "first_row": first, "rows": rows})
+            yield {"path": f["path"].encode("utf-8", "surrogateescape"), "name": f["name"], "size": f["size"],
+                   "problem": "", "row_group": g, "first_row": first, "rows": rows}
             first += rows
-    return items
+
+
+def work_items(ing: IngestResult, chunk: int = 8192) -> pa.Table:
+    """One row per image file or Parquet row group (``item``: its position), in listing order. ``path``
+    travels as bytes (``surrogateescape``): a local file name need not be valid UTF-8, an Arrow string
+    must be. Built a chunk at a time: the driver holds ~0.1 KB per input here, not a dict (~0.4 KB)."""
+    rows, chunks = _item_rows(ing), []
+    while batch := list(itertools.islice(rows, chunk)):
+        for k, row in enumerate(batch, len(chunks) * chunk):
+            row["item"] = k
+        chunks.append(pa.Table.from_pylist(batch, schema=ITEM_SCHEMA))
+    return pa.concat_tables(chunks) if chunks else ITEM_SCHEMA.empty_table()
 
 
 def task_sizes(n: int, workers: int, smallest: int = SMALLEST_TASK, largest: int = LARGEST_TASK) -> list[int]:
@@ -141,18 +156,18 @@ def preprocess(ing: IngestResult, cfg: RunConfig) -> dict:
     fs, _ = open_fs(ing.source)
     params = ing.preprocess_params
     items = work_items(ing)
-    for i, item in enumerate(items):
-        item["item"] = i
+    n_items = items.num_rows
     per_task = cpu_task_share(cfg)  # one actor per physical core
     workers = max(1, int(ray.cluster_resources().get("CPU", 1) / per_task))
     if ing.kind == "images":  # one block, and so one task, per group of files
-        sizes = task_sizes(len(items), workers)
+        sizes = task_sizes(n_items, workers)
     else:  # one per Parquet row group
-        sizes = [1] * len(items)
+        sizes = [1] * n_items
     bounds = [0, *itertools.accumulate(sizes)]
     # from_blocks keeps these blocks as they are and reads their metadata here; from_arrow sends one
     # metadata task per block to the workers, which waited ~3 s for Ray to start them (2 cores, N=2,000).
-    blocks = [pa.Table.from_pylist(items[a:b]) for a, b in zip(bounds, bounds[1:])]
+    # Slices share the table's buffers; Ray serialises only each slice's rows.
+    blocks = [items.slice(a, b - a) for a, b in zip(bounds, bounds[1:])]
     # Results in listing order, so the first of duplicates is kept: for this dataset only (a Dataset
     # keeps a copy of the process-wide DataContext made when it is created; inference does not want it).
     # A block whose worker process dies (a decoder crash: SIGSEGV, SIGABRT, the OOM killer) is retried
@@ -180,7 +195,7 @@ def preprocess(ing: IngestResult, cfg: RunConfig) -> dict:
     quarantine: list[dict] = []
     seen: dict[str, str] = {}
     n_seen = 0
-    done = bytearray(item["rows"] == 0 for item in items)  # work items whose results arrived (an empty row group has none)
+    done = bytearray(r == 0 for r in items["rows"].to_pylist())  # items whose results arrived (an empty row group has none)
 
     def take(batch: pa.Table) -> None:
         nonlocal n_seen
@@ -207,7 +222,7 @@ def preprocess(ing: IngestResult, cfg: RunConfig) -> dict:
     # Batches stay Arrow tables: the driver only looks at ids and reasons, never copies pixels row by row.
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
         take(batch)
-    lost = [item for item, d in zip(items, done) if not d]
+    lost = items.take(pa.array([i for i, d in enumerate(done) if not d], pa.int64())).to_pylist()
     if lost:  # blocks dropped after their worker died MAX_BLOCK_RETRIES + 1 times: each item alone, in order
         log.warning("%d work items lost with a crashed worker; running each alone", len(lost))
         alone = ray.remote(process_alone).options(num_cpus=per_task, max_retries=1)

@@ -16,7 +16,7 @@ from captionflow.config import RunConfig
 from captionflow.storage import Store
 from hostile import ACCEPTED, add_local_specials, build_corpus
 from tasks.ingest import DatasetError, ingest
-from tasks.preprocess import LARGEST_TASK, SMALLEST_TASK, preprocess, task_sizes
+from tasks.preprocess import LARGEST_TASK, SMALLEST_TASK, preprocess, task_sizes, work_items
 
 
 def _outcomes(cfg: RunConfig, manifest: dict) -> dict[str, str]:
@@ -89,6 +89,16 @@ def test_task_sizes_ramp_up_and_down_and_cover_every_file():
     sizes = task_sizes(20000, 2)
     assert sizes[:2] == [SMALLEST_TASK] * 2 and sizes[-2:] == [SMALLEST_TASK] * 2  # each worker starts small
     assert sizes.count(LARGEST_TASK) >= len(sizes) - 12  # full-size tasks in the middle
+
+
+def test_work_items_are_one_table_in_listing_order(tmp_path):
+    """Built a chunk at a time (here 7 files per chunk): every listed file once, numbered by its place."""
+    expected = build_corpus(tmp_path / "c")
+    ing = ingest(RunConfig(dataset=str(tmp_path / "c"), output=str(tmp_path / "o")))
+    items = work_items(ing, chunk=7)
+    assert items.num_rows == len(expected) == ing.n_inputs and items["item"].to_pylist() == list(range(len(expected)))
+    assert items["name"].to_pylist() == [f["name"] for f in ing.files] and set(items["name"].to_pylist()) == set(expected)
+    assert items.slice(10, 5).to_pylist() == work_items(ing).slice(10, 5).to_pylist()
 
 
 def test_many_tasks_keep_listing_order_and_the_first_duplicate(tmp_path):
