@@ -45,10 +45,12 @@ def _tree_rss_sampler(stop: threading.Event, peak: list[int]) -> None:
     me = psutil.Process()
     while not stop.is_set():
         total = 0
-        peak[1] = max(peak[1], me.memory_info().rss)
         for p in [me] + me.children(recursive=True):
             try:
-                total += p.memory_info().rss
+                rss = p.memory_info().rss
+                total += rss
+                if p is me:
+                    peak[1] = max(peak[1], rss)
                 _CPU_SEEN[p.pid] = _cpu_of(p, me)
             except (psutil.Error, OSError):
                 pass

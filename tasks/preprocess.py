@@ -50,10 +50,13 @@ ITEM_SCHEMA = pa.schema([("path", pa.binary()), ("name", pa.string()), ("size", 
 
 
 def _item_rows(ing: IngestResult) -> Iterator[dict]:
+    def item(f: dict, problem: str, row_group: int, first_row: int, rows: int) -> dict:
+        return {"path": f["path"].encode("utf-8", "surrogateescape"), "name": f["name"], "size": f["size"],
+                "problem": problem, "row_group": row_group, "first_row": first_row, "rows": rows}
+
     if ing.kind == "images":
         for f in ing.files:
-            yield {"path": f["path"].encode("utf-8", "surrogateescape"), "name": f["name"], "size": f["size"],
-                   "problem": f.get("problem", ""), "row_group": -1, "first_row": 0, "rows": 1}
+            yield item(f, f.get("problem", ""), -1, 0, 1)
         return
     fs, _ = open_fs(ing.source)
     import pyarrow.parquet as pq
@@ -64,8 +67,7 @@ def _item_rows(ing: IngestResult) -> Iterator[dict]:
         first = 0
         for g in range(meta.num_row_groups):
             rows = meta.row_group(g).num_rows
-            yield {"path": f["path"].encode("utf-8", "surrogateescape"), "name": f["name"], "size": f["size"],
-                   "problem": "", "row_group": g, "first_row": first, "rows": rows}
+            yield item(f, "", g, first, rows)
             first += rows
 
 

@@ -23,8 +23,8 @@ def test_every_command_prints_its_help(capsys):
         with pytest.raises(SystemExit) as done:
             main([*command, "--help"])
         assert done.value.code == 0, command
-        helps[" ".join(command)] = capsys.readouterr().out
-        assert helps[" ".join(command)].startswith("usage: captionflow"), (command, helps[" ".join(command)][:200])
+        out = helps[" ".join(command)] = capsys.readouterr().out
+        assert out.startswith("usage: captionflow"), (command, out[:200])
     missing = [n for n in RunConfig.model_fields if "--" + n.replace("_", "-") not in helps["run"]]
     assert not missing, f"`captionflow run --help` lacks {missing}"
 
