@@ -1,6 +1,8 @@
 # captionflow: the two commands of the README.
-#   make run    set up .venv (CPU stack) and run the flow on the built-in model and demo set
-#   make test   set up .venv (CPU stack) and run the test suite
+#   make run        set up .venv (CPU stack) and run the flow on the built-in model and demo set
+#   make test       set up .venv (CPU stack), lint, and run the whole test suite (what CI runs)
+#   make test-fast  the tests not marked slow (no vLLM engine, no end-to-end flow)
+#   make lint       ruff: lint and formatting
 # FLAVOUR=gpu installs the CUDA build of vLLM instead (on a GPU host).
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3)
@@ -10,7 +12,7 @@ PIP := $(VENV)/bin/python -m pip
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.installed-$(FLAVOUR)
 
-.PHONY: install run test lock clean
+.PHONY: install run test test-fast lint docs lock clean
 
 install: $(STAMP)
 
@@ -26,7 +28,7 @@ endif
 	$(PIP) install -q --no-deps -r requirements/$(FLAVOUR).lock
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 ifeq ($(FLAVOUR),cpu)
-	$(VENV)/bin/python -m captionflow.torchvision_compat
+	$(VENV)/bin/python -m captionflow.compat.torchvision_ops
 endif
 	$(VENV)/bin/python -c "import vllm, ray, prefect, torchvision; print('stack ok: vllm', vllm.__version__, 'ray', ray.__version__, 'prefect', prefect.__version__)"
 	touch $(STAMP)
@@ -34,8 +36,19 @@ endif
 run: install
 	$(VENV)/bin/captionflow run
 
-test: install
+test: install lint
 	$(VENV)/bin/python -m pytest -q
+
+test-fast: install lint
+	$(VENV)/bin/python -m pytest -q -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# Rewrite the generated reference pages (docs/parameters.md, docs/quarantine.md) from the code.
+docs: install
+	$(VENV)/bin/python docs/generate.py
 
 # Recompile the locks (needs `uv`); see requirements/overrides.txt for why overrides exist.
 lock:

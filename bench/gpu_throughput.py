@@ -109,18 +109,27 @@ class GpuSampler:
         for t, util, mem, cpu in self.samples:
             if t0 <= t <= t1 and util is not None:
                 rows.setdefault(int((t - t0) // step), []).append((util, mem, cpu))
-        return [[round(k * step, 1), round(sum(x[0] for x in v) / len(v), 1),
-                 round(max(x[1] for x in v) / 2**30, 2), round(sum(x[2] for x in v) / len(v), 1)]
-                for k, v in sorted(rows.items())]
+        return [
+            [
+                round(k * step, 1),
+                round(sum(x[0] for x in v) / len(v), 1),
+                round(max(x[1] for x in v) / 2**30, 2),
+                round(sum(x[2] for x in v) / len(v), 1),
+            ]
+            for k, v in sorted(rows.items())
+        ]
 
     def window(self, t0: float, t1: float) -> dict:
         s = [x for x in self.samples if t0 <= x[0] <= t1]
         if not s:
             return {"gpu_busy_pct": None, "gpu_mem_peak_gib": None, "host_cpu_busy_pct": None, "samples": 0}
         gpu = s[0][1] is not None
-        return {"gpu_busy_pct": round(sum(x[1] for x in s) / len(s), 1) if gpu else None,
-                "gpu_mem_peak_gib": round(max(x[2] for x in s) / 2**30, 2) if gpu else None,
-                "host_cpu_busy_pct": round(sum(x[3] for x in s) / len(s), 1), "samples": len(s)}
+        return {
+            "gpu_busy_pct": round(sum(x[1] for x in s) / len(s), 1) if gpu else None,
+            "gpu_mem_peak_gib": round(max(x[2] for x in s) / 2**30, 2) if gpu else None,
+            "host_cpu_busy_pct": round(sum(x[3] for x in s) / len(s), 1),
+            "samples": len(s),
+        }
 
 
 def mid_window(finished: list[tuple[float, int]], n: int, lo: float = 0.1, hi: float = 0.9) -> tuple[float, float]:
@@ -138,8 +147,16 @@ def mid_window(finished: list[tuple[float, int]], n: int, lo: float = 0.1, hi: f
     return t_lo, t_hi
 
 
-def rates(n: int, t_start: float, t_first: float, t_last: float, t_steady: float, n_steady: int,
-          out_tokens: int, finished: list[tuple[float, int]] | None = None) -> dict:
+def rates(
+    n: int,
+    t_start: float,
+    t_first: float,
+    t_last: float,
+    t_steady: float,
+    n_steady: int,
+    out_tokens: int,
+    finished: list[tuple[float, int]] | None = None,
+) -> dict:
     """Rates of one phase: ``n_steady`` images finished in (t_steady, t_last]; wall from t_start.
     With ``finished`` (sorted (time, rows) of every result), also the rate between 10% and 90% of
     the results (``images_per_s_10_90``, window ``t10``-``t90``)."""
@@ -149,12 +166,18 @@ def rates(n: int, t_start: float, t_first: float, t_last: float, t_steady: float
         t10, t90 = mid_window(finished, n)
         if t90 > t10:
             mid = {"t10": t10, "t90": t90, "images_per_s_10_90": round(0.8 * n / (t90 - t10), 2)}
-    return {**mid,
-        "images": n, "start_to_first_result_s": round(t_first - t_start, 2), "wall_s": round(t_last - t_start, 2),
+    return {
+        **mid,
+        "images": n,
+        "start_to_first_result_s": round(t_first - t_start, 2),
+        "wall_s": round(t_last - t_start, 2),
         "images_per_s": round(n_steady / steady_s, 2) if steady_s > 0 else None,
         "images_per_s_wall": round(n / (t_last - t_start), 2),
         "output_tokens_per_s": round(out_tokens * n_steady / n / steady_s, 1) if steady_s > 0 else None,
-        "steady_window_s": round(steady_s, 2), "t_start": t_start, "t_first": t_first, "t_last": t_last,
+        "steady_window_s": round(steady_s, 2),
+        "t_start": t_start,
+        "t_first": t_first,
+        "t_last": t_last,
         "t_steady": t_steady,
     }
 
@@ -208,14 +231,17 @@ def engine_ready_times(since: float, ray_tmp: str = "/tmp/ray") -> list[float]:
 def engine_accepting_times(since: float, ray_tmp: str = "/tmp/ray") -> list[float]:
     """When each engine front end (AsyncLLM) was ready to take requests: captionflow's worker hook
     logs it with the Unix time (captionflow/vllm_warmup.py)."""
-    from captionflow.vllm_warmup import ACCEPTING
+    from captionflow.compat.vllm_warmup import ACCEPTING
 
-    return _logged_times(lambda line: float(line.rsplit(ACCEPTING, 1)[1].split()[0]) if ACCEPTING in line else None,
-                         since, ray_tmp)
+    return _logged_times(
+        lambda line: float(line.rsplit(ACCEPTING, 1)[1].split()[0]) if ACCEPTING in line else None, since, ray_tmp
+    )
 
 
-_ENGINE_LOG = re.compile(r"init engine|Available KV|GPU KV cache|Maximum concurrency|Avg prompt throughput|"
-                         r"Elapsed time for batch|max_num_batched_tokens|Model loading took|HF processor|Error|error")
+_ENGINE_LOG = re.compile(
+    r"init engine|Available KV|GPU KV cache|Maximum concurrency|Avg prompt throughput|"
+    r"Elapsed time for batch|max_num_batched_tokens|Model loading took|HF processor|Error|error"
+)
 
 
 _BATCH_DONE = re.compile(r"Elapsed time for batch \S+ with size (\d+)")
@@ -262,7 +288,7 @@ def pipeline_rates(n: int, t_start: float, stamps: list[tuple[float, int]], out_
 
 # ---------------------------------------------------------------- phase A: raw vLLM (child process)
 def phase_raw(a: argparse.Namespace) -> dict:
-    from captionflow.presets import PRESETS
+    from captionflow.pipeline.presets import PRESETS
 
     preset = PRESETS[a.device]
 
@@ -272,14 +298,21 @@ def phase_raw(a: argparse.Namespace) -> dict:
     from vllm import LLM, SamplingParams
 
     t_import = time.time()
-    kwargs = {"max_num_seqs": preset.max_num_seqs, "max_model_len": preset.max_model_len,
-              "limit_mm_per_prompt": {"image": 1, "video": 0}, "mm_processor_kwargs": {"max_pixels": a.max_pixels},
-              **preset.engine_kwargs, **json.loads(a.engine_kwargs)}
+    kwargs = {
+        "max_num_seqs": preset.max_num_seqs,
+        "max_model_len": preset.max_model_len,
+        "limit_mm_per_prompt": {"image": 1, "video": 0},
+        "mm_processor_kwargs": {"max_pixels": a.max_pixels},
+        **preset.engine_kwargs,
+        **json.loads(a.engine_kwargs),
+    }
     llm = LLM(model=a.model, **kwargs)
     t_engine = time.time()
     tok = AutoTokenizer.from_pretrained(a.model)
-    messages = [{"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]},
+    ]
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     files = sorted(Path(a.images).iterdir())
     inputs = []
@@ -327,8 +360,15 @@ def phase_raw(a: argparse.Namespace) -> dict:
     # working time once the engine is up (decode, image processing and generation).
     t_first = min(finished) if finished else t_end
     r = rates(len(outs), t_start, t_first, t_end, t_engine, len(outs), out_tok, [(t, 1) for t in sorted(finished)])
-    r.update({"import_s": round(t_import - t_start, 2), "engine_start_s": round(t_engine - t_import, 2),
-              "mean_input_tokens": round(in_tok, 1), "output_tokens": out_tok, "engine_kwargs": kwargs})
+    r.update(
+        {
+            "import_s": round(t_import - t_start, 2),
+            "engine_start_s": round(t_engine - t_import, 2),
+            "mean_input_tokens": round(in_tok, 1),
+            "output_tokens": out_tok,
+            "engine_kwargs": kwargs,
+        }
+    )
     return r
 
 
@@ -337,27 +377,39 @@ def _run_config(a: argparse.Namespace, output: str):
     from captionflow.config import RunConfig
 
     extra = {**json.loads(a.pipeline_config), **({"engines_per_gpu": a.engines_per_gpu} if a.engines_per_gpu else {})}
-    return RunConfig(dataset=a.images, output=output, model=a.model, device=a.device, max_tokens=a.max_tokens,
-                     cuda_mps=a.cuda_mps,
-                     ignore_eos=True, max_pixels=a.max_pixels, max_image_side=a.max_image_side,
-                     system_prompt=SYSTEM_PROMPT, prompt=PROMPT, engine_kwargs=json.loads(a.engine_kwargs),
-                     commit_rows=32, **extra)
+    return RunConfig(
+        dataset=a.images,
+        output=output,
+        model=a.model,
+        device=a.device,
+        max_tokens=a.max_tokens,
+        cuda_mps=a.cuda_mps,
+        ignore_eos=True,
+        max_pixels=a.max_pixels,
+        max_image_side=a.max_image_side,
+        system_prompt=SYSTEM_PROMPT,
+        prompt=PROMPT,
+        engine_kwargs=json.loads(a.engine_kwargs),
+        commit_rows=32,
+        **extra,
+    )
 
 
 def phase_stage(a: argparse.Namespace) -> dict:
+    from captionflow.errors import RowsFailed
     from captionflow.model_source import resolve_model
-    from tasks.inference import engine_layout, init_ray, run_inference
-    from tasks.ingest import ingest
-    from tasks.preprocess import preprocess
+    from captionflow.pipeline.engine import resolve_engine
+    from captionflow.pipeline.inference import run_inference
+    from captionflow.pipeline.preprocess import preprocess
+    from captionflow.pipeline.session import ray_session
+    from captionflow.sources import ingest
 
     shutil.rmtree(Path(a.work) / "out-stage", ignore_errors=True)  # a fresh run: nothing to resume
     cfg = _run_config(a, str(Path(a.work) / "out-stage"))
     model = resolve_model(cfg.model, dummy_weights=cfg.dummy_weights())
-    init_ray(cfg)
+    session = ray_session(cfg)
     manifest = preprocess(ingest(cfg), cfg)  # not timed: B is the inference stage alone
-    from captionflow.presets import PRESETS
-
-    layout = engine_layout(cfg, model, PRESETS[a.device])
+    engine = resolve_engine(cfg, model, session.preset(a.device), session.gpus(), session.started_here)
     import ray.data
 
     consumed = []  # the dataset(s) the stage's driver loop reads: their Ray Data stats go to a log
@@ -369,14 +421,25 @@ def phase_stage(a: argparse.Namespace) -> dict:
 
     ray.data.Dataset.iter_rows = recording_iter_rows
     t_start = time.time()
-    res = run_inference(cfg, manifest, model)
+    try:
+        res = run_inference(cfg, manifest, model)
+    except RowsFailed as e:
+        res = e.result
     Path(a.work, "phase-stage-datastats.log").write_text("\n\n".join(d.stats() for d in consumed))
-    stamps, out_tok, in_tok = commit_times(res["run_dir"])
-    r = pipeline_rates(res["captioned"], t_start, stamps, out_tok)
+    stamps, out_tok, in_tok = commit_times(res.run_dir)
+    r = pipeline_rates(res.captioned, t_start, stamps, out_tok)
     r["rows_per_engine"] = sorted(save_engine_logs(Path(a.work) / "phase-stage-engines.log").values())
-    r.update({"failed": res["failed"], "mean_input_tokens": round(in_tok, 1), "output_tokens": out_tok,
-              "engines": layout["concurrency"], "engines_per_gpu": layout["engines_per_gpu"],
-              "engine_kwargs": layout["engine_kwargs"], "cuda_mps": bool(layout["env"])})
+    r.update(
+        {
+            "failed": res.failed,
+            "mean_input_tokens": round(in_tok, 1),
+            "output_tokens": out_tok,
+            "engines": engine.concurrency,
+            "engines_per_gpu": engine.engines_per_gpu,
+            "engine_kwargs": engine.engine_kwargs,
+            "cuda_mps": bool(engine.env),
+        }
+    )
     return r
 
 
@@ -385,11 +448,39 @@ def phase_flow(a: argparse.Namespace) -> dict:
     out = Path(a.work) / "out-flow"
     shutil.rmtree(out, ignore_errors=True)  # a fresh run: nothing to resume, nothing cached
     summary = Path(a.work) / "flow-summary.json"
-    cmd = [sys.executable, "-m", "captionflow.cli", "run", "--dataset", a.images, "--output", str(out),
-           "--model", a.model, "--device", a.device, "--max-tokens", str(a.max_tokens), "--ignore-eos",
-           "--max-pixels", str(a.max_pixels), "--max-image-side", str(a.max_image_side),
-           "--system-prompt", SYSTEM_PROMPT, "--prompt", PROMPT, "--engine-kwargs", a.engine_kwargs,
-           "--commit-rows", "32", "--summary-json", str(summary), "--cuda-mps", a.cuda_mps]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "run",
+        "--dataset",
+        a.images,
+        "--output",
+        str(out),
+        "--model",
+        a.model,
+        "--device",
+        a.device,
+        "--max-tokens",
+        str(a.max_tokens),
+        "--ignore-eos",
+        "--max-pixels",
+        str(a.max_pixels),
+        "--max-image-side",
+        str(a.max_image_side),
+        "--system-prompt",
+        SYSTEM_PROMPT,
+        "--prompt",
+        PROMPT,
+        "--engine-kwargs",
+        a.engine_kwargs,
+        "--commit-rows",
+        "32",
+        "--summary-json",
+        str(summary),
+        "--cuda-mps",
+        a.cuda_mps,
+    ]
     if a.engines_per_gpu:
         cmd += ["--engines-per-gpu", str(a.engines_per_gpu)]
     if json.loads(a.pipeline_config):  # a YAML config file (JSON is YAML); the options above win
@@ -408,8 +499,15 @@ def phase_flow(a: argparse.Namespace) -> dict:
     # the flow ends after evaluate: its wall time runs to the process's exit, not to the last caption
     r["wall_s"] = round(t_end - t_start, 2)
     r["images_per_s_wall"] = round(s["counts"]["captioned"] / (t_end - t_start), 2)
-    r.update({"failed": s["counts"]["failed"], "mean_input_tokens": round(in_tok, 1), "output_tokens": out_tok,
-              "stage_timings_s": s.get("timings_s"), "quarantined": s["counts"]["quarantined"]})
+    r.update(
+        {
+            "failed": s["counts"]["failed"],
+            "mean_input_tokens": round(in_tok, 1),
+            "output_tokens": out_tok,
+            "stage_timings_s": s.get("timings_s"),
+            "quarantined": s["counts"]["quarantined"],
+        }
+    )
     return r
 
 
@@ -420,18 +518,18 @@ PHASES = {"raw": phase_raw, "stage": phase_stage, "flow": phase_flow}
 def prepare(a: argparse.Namespace) -> None:
     work = Path(a.work)
     if not a.images:
-        from bench.synthetic import make_images
+        from captionflow.builtin.synthetic import make_images
 
         folder = work / "images"
         if not (folder.is_dir() and len(list(folder.iterdir())) == a.n):
             make_images(folder, a.n)
         a.images = str(folder)
     if a.model == "builtin":
-        from captionflow.builtin_model import ensure_builtin_model
+        from captionflow.builtin.model import ensure_builtin_model
 
         a.model = str(ensure_builtin_model())
     elif not a.model:
-        from captionflow.standin_model import build_standin
+        from captionflow.builtin.standin import build_standin
 
         model_dir = work / f"standin-{a.arch}"
         if not model_dir.exists():
@@ -444,10 +542,32 @@ def run_phase(name: str, a: argparse.Namespace, sampler: GpuSampler) -> dict:
     """Run one phase in a child process; its result plus GPU figures over its steady window."""
     res_file = Path(a.work) / f"phase-{name}.json"
     res_file.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "--child", name, "--device", a.device, "--work", a.work, "--images", a.images, "--model", a.model,
-           "--max-tokens", str(a.max_tokens), "--max-pixels", str(a.max_pixels),
-           "--max-image-side", str(a.max_image_side), "--engine-kwargs", a.engine_kwargs, "--cuda-mps", a.cuda_mps,
-           "--pipeline-config", a.pipeline_config]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        name,
+        "--device",
+        a.device,
+        "--work",
+        a.work,
+        "--images",
+        a.images,
+        "--model",
+        a.model,
+        "--max-tokens",
+        str(a.max_tokens),
+        "--max-pixels",
+        str(a.max_pixels),
+        "--max-image-side",
+        str(a.max_image_side),
+        "--engine-kwargs",
+        a.engine_kwargs,
+        "--cuda-mps",
+        a.cuda_mps,
+        "--pipeline-config",
+        a.pipeline_config,
+    ]
     if a.engines_per_gpu:
         cmd += ["--engines-per-gpu", str(a.engines_per_gpu)]
     t0 = time.time()
@@ -456,8 +576,11 @@ def run_phase(name: str, a: argparse.Namespace, sampler: GpuSampler) -> dict:
         with open(log, "w") as fh:
             proc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=a.phase_timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {a.phase_timeout} s", "log_tail": log.read_text(errors="replace")[-4000:],
-                "elapsed_s": round(time.time() - t0, 1)}
+        return {
+            "error": f"timed out after {a.phase_timeout} s",
+            "log_tail": log.read_text(errors="replace")[-4000:],
+            "elapsed_s": round(time.time() - t0, 1),
+        }
     if proc.returncode != 0 or not res_file.exists():
         tail = log.read_text(errors="replace")[-4000:]
         return {"error": f"exit {proc.returncode}", "log_tail": tail, "elapsed_s": round(time.time() - t0, 1)}
@@ -466,8 +589,10 @@ def run_phase(name: str, a: argparse.Namespace, sampler: GpuSampler) -> dict:
     if "t10" in r:  # results flowing: between the pipeline's fill and its drain
         r["gpu_10_90"] = sampler.window(r["t10"], r["t90"])
     r["gpu_whole_phase"] = sampler.window(t0, time.time())
-    r["gpu_trace"] = {"columns": ["s since phase start", "GPU busy %", "GPU memory GiB", "host CPU busy %"],
-                      "rows": sampler.trace(t0, time.time())}
+    r["gpu_trace"] = {
+        "columns": ["s since phase start", "GPU busy %", "GPU memory GiB", "host CPU busy %"],
+        "rows": sampler.trace(t0, time.time()),
+    }
     return r
 
 
@@ -476,21 +601,35 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=2000, help="synthetic 640x480 JPEGs (ignored with --images)")
     ap.add_argument("--images", help="a folder of images instead of synthetic ones")
     ap.add_argument("--arch", default="qwen2.5-vl-3b", help="stand-in architecture (without --model)")
-    ap.add_argument("--model", help="a checkpoint folder with real weights instead of the stand-in "
-                                    "('builtin': the tiny built-in model, for a quick check on CPU)")
+    ap.add_argument(
+        "--model",
+        help="a checkpoint folder with real weights instead of the stand-in "
+        "('builtin': the tiny built-in model, for a quick check on CPU)",
+    )
     ap.add_argument("--device", choices=["gpu", "cpu"], default="gpu", help="the preset (cpu: a smoke test)")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--max-pixels", type=int, default=224 * 224,
-                    help="image processor budget, all phases (default 224x224, the basis of issue #7's goals and "
-                         "of the host's raw baseline; 200704 = 448x448, the GPU preset's own budget)")
+    ap.add_argument(
+        "--max-pixels",
+        type=int,
+        default=224 * 224,
+        help="image processor budget, all phases (default 224x224, the basis of issue #7's goals and "
+        "of the host's raw baseline; 200704 = 448x448, the GPU preset's own budget)",
+    )
     ap.add_argument("--max-image-side", type=int, default=640, help="preprocess bound (B, C); 640 keeps 640x480")
     ap.add_argument("--engines-per-gpu", type=int, help="default: the GPU preset's sizing")
     ap.add_argument("--engine-kwargs", default="{}", help="extra vLLM kwargs (JSON), all phases")
-    ap.add_argument("--pipeline-config", default="{}",
-                    help="more run parameters for B and C (JSON of RunConfig fields, e.g. "
-                         "'{\"max_concurrent_batches\": 24, \"batch_size\": 32}')")
-    ap.add_argument("--cuda-mps", choices=["auto", "on", "off"], default="auto",
-                    help="the pipeline's cuda_mps parameter (stage, flow); raw vLLM runs without MPS")
+    ap.add_argument(
+        "--pipeline-config",
+        default="{}",
+        help="more run parameters for B and C (JSON of RunConfig fields, e.g. "
+        '\'{"max_concurrent_batches": 24, "batch_size": 32}\')',
+    )
+    ap.add_argument(
+        "--cuda-mps",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the pipeline's cuda_mps parameter (stage, flow); raw vLLM runs without MPS",
+    )
     ap.add_argument("--phases", default="raw,stage,flow")
     ap.add_argument("--phase-timeout", type=float, default=900)
     ap.add_argument("--work", help="working folder (default: a new temporary one)")
@@ -507,13 +646,23 @@ def main() -> int:
     a.work = a.work or tempfile.mkdtemp(prefix="cf-gpu-bench-")
     prepare(a)
     n_images = len(list(Path(a.images).iterdir()))
-    results: dict = {"n": n_images, "host": platform.node(), "cpus": os.cpu_count(), "model": a.model,
-                     "arch": None if "--model" in sys.argv else a.arch, "max_tokens": a.max_tokens,
-                     "max_pixels": a.max_pixels, "max_image_side": a.max_image_side,
-                     "options": {"engine_kwargs": json.loads(a.engine_kwargs),
-                                 "pipeline_config": json.loads(a.pipeline_config),
-                                 "engines_per_gpu": a.engines_per_gpu, "cuda_mps": a.cuda_mps},
-                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    results: dict = {
+        "n": n_images,
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "model": a.model,
+        "arch": None if "--model" in sys.argv else a.arch,
+        "max_tokens": a.max_tokens,
+        "max_pixels": a.max_pixels,
+        "max_image_side": a.max_image_side,
+        "options": {
+            "engine_kwargs": json.loads(a.engine_kwargs),
+            "pipeline_config": json.loads(a.pipeline_config),
+            "engines_per_gpu": a.engines_per_gpu,
+            "cuda_mps": a.cuda_mps,
+        },
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     out = Path(a.json) if a.json else None
     if a.merge and out and out.exists():  # phases run by an earlier invocation on the same work folder
         earlier = json.loads(out.read_text())
@@ -545,8 +694,11 @@ def _finish(results: dict) -> None:
                 log_basis[key] = round(other["images_per_s_from_engine_log"] / raw["images_per_s"], 3)
     results["ratios"], results["ratios_wall"] = ratios, wall
     gpus = max(1, len(results.get("device", "").split(", ")))
-    results["per_gpu_vs_seed"] = {name: round(results[name]["images_per_s"] / gpus / SEED_IMAGES_PER_S_PER_GPU, 2)
-                                  for name in ("raw", "stage", "flow") if (results.get(name) or {}).get("images_per_s")}
+    results["per_gpu_vs_seed"] = {
+        name: round(results[name]["images_per_s"] / gpus / SEED_IMAGES_PER_S_PER_GPU, 2)
+        for name in ("raw", "stage", "flow")
+        if (results.get(name) or {}).get("images_per_s")
+    }
     results["ratios_from_engine_log"] = log_basis
     results["ratio_basis"] = "steady-state images/s (first to last result); ratios_wall include start-up"
 
@@ -562,21 +714,36 @@ def _write(results: dict, out: Path | None) -> Path:
 
 def _table(results: dict) -> None:
     cols = [n for n in ("raw", "stage", "flow") if n in results and "error" not in results[n]]
-    rows = [("images/s (steady)", "images_per_s"), ("images/s (10-90% of results)", "images_per_s_10_90"),
-            ("images/s (incl. start-up)", "images_per_s_wall"),
-            ("output tokens/s", "output_tokens_per_s"), ("first result after s", "start_to_first_result_s"),
-            ("wall s", "wall_s"), ("mean input tokens", "mean_input_tokens")]
+    rows = [
+        ("images/s (steady)", "images_per_s"),
+        ("images/s (10-90% of results)", "images_per_s_10_90"),
+        ("images/s (incl. start-up)", "images_per_s_wall"),
+        ("output tokens/s", "output_tokens_per_s"),
+        ("first result after s", "start_to_first_result_s"),
+        ("wall s", "wall_s"),
+        ("mean input tokens", "mean_input_tokens"),
+    ]
     print(f"{'':28}" + "".join(f"{c:>12}" for c in cols))
     for label, key in rows:
         print(f"{label:28}" + "".join(f"{results[c].get(key)!s:>12}" for c in cols))
     print(f"{'GPU busy % (steady)':28}" + "".join(f"{results[c]['gpu_steady']['gpu_busy_pct']!s:>12}" for c in cols))
-    print(f"{'GPU busy % (10-90%)':28}" + "".join(f"{(results[c].get('gpu_10_90') or {}).get('gpu_busy_pct')!s:>12}"
-                                                 for c in cols))
-    print(f"{'host CPU busy % (steady)':28}" + "".join(f"{results[c]['gpu_steady'].get('host_cpu_busy_pct')!s:>12}" for c in cols))
-    print(f"{'GPU memory peak GiB':28}" + "".join(f"{results[c]['gpu_whole_phase']['gpu_mem_peak_gib']!s:>12}" for c in cols))
-    print(f"device: {results.get('device')}  n={results['n']}  ratios: {json.dumps(results.get('ratios'))}"
-          f"  incl. start-up: {json.dumps(results.get('ratios_wall'))}"
-          f"  per GPU vs the seed's {SEED_IMAGES_PER_S_PER_GPU} img/s: {json.dumps(results.get('per_gpu_vs_seed'))}")
+    print(
+        f"{'GPU busy % (10-90%)':28}"
+        + "".join(f"{(results[c].get('gpu_10_90') or {}).get('gpu_busy_pct')!s:>12}" for c in cols)
+    )
+    print(
+        f"{'host CPU busy % (steady)':28}"
+        + "".join(f"{results[c]['gpu_steady'].get('host_cpu_busy_pct')!s:>12}" for c in cols)
+    )
+    print(
+        f"{'GPU memory peak GiB':28}"
+        + "".join(f"{results[c]['gpu_whole_phase']['gpu_mem_peak_gib']!s:>12}" for c in cols)
+    )
+    print(
+        f"device: {results.get('device')}  n={results['n']}  ratios: {json.dumps(results.get('ratios'))}"
+        f"  incl. start-up: {json.dumps(results.get('ratios_wall'))}"
+        f"  per GPU vs the seed's {SEED_IMAGES_PER_S_PER_GPU} img/s: {json.dumps(results.get('per_gpu_vs_seed'))}"
+    )
 
 
 if __name__ == "__main__":

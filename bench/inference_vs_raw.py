@@ -28,51 +28,74 @@ def raw_vllm(cfg, model_path: str, rows: list[dict], preset) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     from vllm import LLM, SamplingParams
 
-    from captionflow.llm_rows import caption_request
+    from captionflow.workers.llm_rows import caption_request
 
     t0 = time.perf_counter()
-    engine_kwargs = {"max_num_seqs": cfg.max_num_seqs or preset.max_num_seqs,
-                     "max_model_len": cfg.max_model_len or preset.max_model_len,
-                     "limit_mm_per_prompt": {"image": 1, "video": 0}, **preset.engine_kwargs}
+    engine_kwargs = {
+        "max_num_seqs": cfg.max_num_seqs or preset.max_num_seqs,
+        "max_model_len": cfg.max_model_len or preset.max_model_len,
+        "limit_mm_per_prompt": {"image": 1, "video": 0},
+        **preset.engine_kwargs,
+    }
     llm = LLM(model=model_path, **engine_kwargs)
     t_engine = time.perf_counter() - t0
     sampling = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
     t1 = time.perf_counter()
     messages = []
     for r in rows:
-        req = caption_request(dict(r), system_prompt=cfg.system_prompt, prompt=cfg.prompt, sampling=sampling,
-                              fail_ids=frozenset())
+        req = caption_request(
+            dict(r), system_prompt=cfg.system_prompt, prompt=cfg.prompt, sampling=sampling, fail_ids=frozenset()
+        )
         messages.append(req["messages"])
-    outs = llm.chat(messages, SamplingParams(**sampling),
-                    mm_processor_kwargs={"max_pixels": cfg.max_pixels or preset.max_pixels}, use_tqdm=False)
+    outs = llm.chat(
+        messages,
+        SamplingParams(**sampling),
+        mm_processor_kwargs={"max_pixels": cfg.max_pixels or preset.max_pixels},
+        use_tqdm=False,
+    )
     t_gen = time.perf_counter() - t1
     n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
     del llm
-    return {"engine_start_s": round(t_engine, 2), "generate_s": round(t_gen, 2),
-            "total_s": round(time.perf_counter() - t0, 2), "rows": len(outs), "output_tokens": n_tok,
-            "rows_per_s_steady": round(len(outs) / t_gen, 3),
-            "rows_per_s_total": round(len(outs) / (time.perf_counter() - t0), 3)}
+    return {
+        "engine_start_s": round(t_engine, 2),
+        "generate_s": round(t_gen, 2),
+        "total_s": round(time.perf_counter() - t0, 2),
+        "rows": len(outs),
+        "output_tokens": n_tok,
+        "rows_per_s_steady": round(len(outs) / t_gen, 3),
+        "rows_per_s_total": round(len(outs) / (time.perf_counter() - t0), 3),
+    }
 
 
-def stage(cfg, manifest: dict, model) -> dict:
+def stage(cfg, manifest, model) -> dict:
     """captionflow's inference stage (Ray Data LLM), timed from shard commit times."""
+    from captionflow.errors import RowsFailed
+    from captionflow.pipeline.inference import run_inference
     from captionflow.storage import Store
-    from tasks.inference import run_inference
 
     t0 = time.perf_counter()
     wall0 = time.time_ns()
-    res = run_inference(cfg, manifest, model)
+    try:
+        res = run_inference(cfg, manifest, model)
+    except RowsFailed as e:
+        res = e.result
     total = time.perf_counter() - t0
     store = Store(cfg.output)
-    shards = store.ls(*res["run_parts"], "captions", suffix=".parquet")
+    shards = store.ls(*res.run_parts, "captions", suffix=".parquet")
     stamps = sorted((int(os.path.basename(p).split("-")[1]), store.read_table(p).num_rows) for p in shards)
     t_first = (stamps[0][0] - wall0) / 1e9
     t_last = (stamps[-1][0] - wall0) / 1e9
     after_first = sum(n for _, n in stamps[1:])
     steady = after_first / (t_last - t_first) if t_last > t_first else float("nan")
-    return {"ray_init_s": res["timings_s"].get("ray_init_s"), "first_commit_s": round(t_first, 2),
-            "total_s": round(total, 2), "rows": res["captioned"], "failed": res["failed"],
-            "rows_per_s_steady": round(steady, 3), "rows_per_s_total": round(res["captioned"] / total, 3)}
+    return {
+        "ray_init_s": res.timings_s.get("ray_init_s"),
+        "first_commit_s": round(t_first, 2),
+        "total_s": round(total, 2),
+        "rows": res.captioned,
+        "failed": res.failed,
+        "rows_per_s_steady": round(steady, 3),
+        "rows_per_s_total": round(res.captioned / total, 3),
+    }
 
 
 def main() -> int:
@@ -85,36 +108,41 @@ def main() -> int:
     args = ap.parse_args()
 
     from captionflow.config import RunConfig
+    from captionflow.layout import shard_paths
     from captionflow.model_source import resolve_model
-    from captionflow.presets import PRESETS
+    from captionflow.pipeline.preprocess import preprocess
+    from captionflow.pipeline.presets import PRESETS
+    from captionflow.pipeline.session import ray_session
+    from captionflow.sources import ingest
     from captionflow.storage import Store
-    from tasks.ingest import ingest
-    from tasks.preprocess import preprocess
 
     work = Path(tempfile.mkdtemp(prefix="cf-bench-"))
     images = Path(args.images) if args.images else work / "images"
     if not args.images:
-        from bench.synthetic import make_images
+        from captionflow.builtin.synthetic import make_images
 
         make_images(images, args.n)
-    cfg = RunConfig(dataset=str(images), output=str(work / "out"), device=args.device,
-                    max_tokens=args.max_tokens, commit_rows=8)
+    cfg = RunConfig(
+        dataset=str(images), output=str(work / "out"), device=args.device, max_tokens=args.max_tokens, commit_rows=8
+    )
     preset = PRESETS[args.device]
     model = resolve_model(cfg.model)
-    from tasks.inference import init_ray
-
     t_ray = time.perf_counter()
-    init_ray(cfg)
+    ray_session(cfg)
     ray_init_s = round(time.perf_counter() - t_ray, 2)
     manifest = preprocess(ingest(cfg), cfg)
     store = Store(cfg.output)
-    from tasks.preprocess import shard_paths
-
     table = store.read_tables(shard_paths(store, manifest), columns=["image_id", "image"])
     rows = table.to_pylist()
 
-    results = {"device": args.device, "host": platform.node(), "cpus": os.cpu_count(), "n": len(rows),
-               "max_tokens": args.max_tokens, "model": cfg.model}
+    results = {
+        "device": args.device,
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "n": len(rows),
+        "max_tokens": args.max_tokens,
+        "model": cfg.model,
+    }
     results["raw_vllm"] = raw_vllm(cfg, model.path, rows, preset)
     results["stage"] = stage(cfg, manifest, model)
     results["stage"]["ray_init_s"] = ray_init_s  # Ray was started before preprocess, which uses it too

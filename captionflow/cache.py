@@ -5,14 +5,15 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def default_cache_dir() -> Path:
     """``$CAPTIONFLOW_CACHE``, else ``$XDG_CACHE_HOME/captionflow``, else ``~/.cache/captionflow``."""
     base = os.environ.get("CAPTIONFLOW_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "captionflow")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "captionflow"
+    )
     return Path(base)
 
 

@@ -18,17 +18,24 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     dataset: str = Field(
-        "demo", title="Dataset",
-        description="'demo' (the built-in golden set) or a folder of images (local path or fsspec URI).")
+        "demo",
+        title="Dataset",
+        description="'demo' (the built-in golden set) or a folder of images (local path or fsspec URI).",
+    )
     output: str = Field(
-        DEFAULT_OUTPUT, title="Output root",
-        description="Storage root for datasets/, runs/ and the leaderboard: a local path or any fsspec URI.")
+        DEFAULT_OUTPUT,
+        title="Output root",
+        description="Storage root for datasets/, runs/ and the leaderboard: a local path or any fsspec URI.",
+    )
     model: str = Field(
-        "builtin", title="Model",
+        "builtin",
+        title="Model",
         description="'builtin' (tiny random Qwen2-VL built locally; captions are meaningless), a local "
-                    "checkpoint folder, an s3:// prefix (downloaded to the local cache) or a Hugging Face hub id.")
+        "checkpoint folder, an s3:// prefix (downloaded to the local cache) or a Hugging Face hub id.",
+    )
     device: Literal["auto", "cpu", "gpu"] = Field(
-        "auto", title="Device", description="Which preset sizes the engine: 'auto' picks 'gpu' when Ray sees a GPU.")
+        "auto", title="Device", description="Which preset sizes the engine: 'auto' picks 'gpu' when Ray sees a GPU."
+    )
     system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, title="System prompt")
     prompt: str = Field(DEFAULT_PROMPT, title="User prompt", description="Text sent with each image.")
     max_tokens: int = Field(32, ge=1, title="Max new tokens per caption")
@@ -36,74 +43,123 @@ class RunConfig(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, title="Top-p")
     seed: int = Field(0, title="Sampling seed")
     ignore_eos: bool = Field(
-        False, title="Ignore end-of-sequence",
-        description="Always generate max_tokens (benchmarks: a fixed amount of work per image).")
+        False,
+        title="Ignore end-of-sequence",
+        description="Always generate max_tokens (benchmarks: a fixed amount of work per image).",
+    )
     max_image_side: int = Field(
-        448, ge=28, title="Longest image side (px)",
-        description="Preprocess bounds every image's longest side to this (the vision-token budget).")
+        448,
+        ge=28,
+        title="Longest image side (px)",
+        description="Preprocess bounds every image's longest side to this (the vision-token budget).",
+    )
     max_input_pixels: int = Field(
-        64_000_000, ge=1, title="Pixel budget per input image",
-        description="Inputs with more pixels are quarantined from their header, before decoding (decompression bombs).")
+        64_000_000,
+        ge=1,
+        title="Pixel budget per input image",
+        description="Inputs with more pixels are quarantined from their header, before decoding (decompression bombs).",
+    )
     max_input_mb: int = Field(
-        512, ge=1, title="Byte budget per input (MB)",
+        512,
+        ge=1,
+        title="Byte budget per input (MB)",
         description="Larger inputs are quarantined (too_large) from the listing's size, without being read: "
-                    "a video or an archive among the images must not fill a worker's memory.")
+        "a video or an archive among the images must not fill a worker's memory.",
+    )
     decode_timeout_s: int = Field(
-        60, ge=1, title="Seconds one image may take to decode",
+        60,
+        ge=1,
+        title="Seconds one image may take to decode",
         description="An image still decoding after this long ends its worker process (a hung decoder cannot be "
-                    "interrupted): its block is retried twice, then its files run alone, and a file that hangs "
-                    "again is quarantined (decode_error). Not part of the dataset fingerprint.")
+        "interrupted): its block is retried twice, then its files run alone, and a file that hangs "
+        "again is quarantined (decode_error). Not part of the dataset fingerprint.",
+    )
     image_column: Optional[str] = Field(
-        None, title="Parquet image column", description="Default: the first of image, img, image_bytes, jpg, png.")
+        None, title="Parquet image column", description="Default: the first of image, img, image_bytes, jpg, png."
+    )
     caption_column: Optional[str] = Field(
-        None, title="Parquet reference-caption column",
-        description="Default: the first of captions, caption, text, sentences, references (if any).")
+        None,
+        title="Parquet reference-caption column",
+        description="Default: the first of captions, caption, text, sentences, references (if any).",
+    )
     max_pixels: Optional[int] = Field(
-        None, title="Max pixels seen by the model",
-        description="Passed to the model's image processor (mm_processor_kwargs). Default: the preset's.")
+        None,
+        title="Max pixels seen by the model",
+        description="Passed to the model's image processor (mm_processor_kwargs). Default: the preset's.",
+    )
     batch_size: Optional[int] = Field(None, ge=1, title="Rows per Ray Data batch")
     concurrency: Optional[int] = Field(
-        None, ge=1, title="Engine replicas",
+        None,
+        ge=1,
+        title="Engine replicas",
         description="Default: on GPU, every GPU of the Ray cluster (divided by tensor_parallel_size) times "
-                    "engines_per_gpu; on CPU, 1.")
+        "engines_per_gpu; on CPU, 1.",
+    )
     engines_per_gpu: Optional[int] = Field(
-        None, ge=1, le=16, title="Engine replicas per GPU",
+        None,
+        ge=1,
+        le=16,
+        title="Engine replicas per GPU",
         description="Default: as many as fit in 90% of the GPU's memory (weights + fixed KV cache + overhead), "
-                    "at most the GPU preset's 4. More engines spread image processing over more processes.")
+        "at most the GPU preset's 4. More engines spread image processing over more processes.",
+    )
     gpu_memory_gib: Optional[float] = Field(
-        None, gt=0, title="GPU memory (GiB) for sizing engines_per_gpu",
-        description="Default: read from this machine's GPU, else 80.")
+        None,
+        gt=0,
+        title="GPU memory (GiB) for sizing engines_per_gpu",
+        description="Default: read from this machine's GPU, else 80.",
+    )
     cuda_mps: Literal["auto", "on", "off"] = Field(
-        "auto", title="CUDA MPS for several engines per GPU",
+        "auto",
+        title="CUDA MPS for several engines per GPU",
         description="auto: when captionflow starts Ray locally and several engines share a GPU, it starts the CUDA "
-                    "MPS control daemon (if found) so their kernels run side by side; on: the same, failing if it "
-                    "cannot; off: never.")
+        "MPS control daemon (if found) so their kernels run side by side; on: the same, failing if it "
+        "cannot; off: never.",
+    )
     max_concurrent_batches: Optional[int] = Field(None, ge=1, title="Batches in flight per engine replica")
     max_num_seqs: Optional[int] = Field(None, ge=1, title="vLLM max_num_seqs")
     max_model_len: Optional[int] = Field(None, ge=64, title="vLLM max_model_len")
     tensor_parallel_size: int = Field(1, ge=1, title="Tensor parallel size")
     accelerator_type: Optional[str] = Field(None, title="Ray accelerator type (e.g. H100)")
     engine_kwargs: dict[str, Any] = Field(
-        default_factory=dict, title="Extra vLLM engine kwargs", description="Passed through to vLLM; wins over the preset.")
+        default_factory=dict,
+        title="Extra vLLM engine kwargs",
+        description="Passed through to vLLM; wins over the preset.",
+    )
     ray_address: Optional[str] = Field(
-        None, title="Ray address", description="An existing Ray cluster (else RAY_ADDRESS, else a local Ray).")
+        None, title="Ray address", description="An existing Ray cluster (else RAY_ADDRESS, else a local Ray)."
+    )
     ray_num_cpus: Optional[int] = Field(
-        None, ge=1, title="Logical CPUs for a local Ray",
-        description="Default: enough for every pipeline stage to be placed at once (see README: resource sizing).")
+        None,
+        ge=1,
+        title="Logical CPUs for a local Ray",
+        description="Default: enough for every pipeline stage to be placed at once (docs/sizing.md).",
+    )
     force_preprocess: bool = Field(False, title="Rebuild the preprocessed dataset even if it exists")
     shard_rows: int = Field(256, ge=1, title="Rows per Parquet shard (at most)")
     shard_mb: int = Field(256, ge=1, title="Megabytes of image data per Parquet shard (at most)")
     row_retries: int = Field(2, ge=0, title="Extra passes over rows whose inference failed")
-    judge: bool = Field(False, title="LLM-as-judge pass",
-                        description="Score each caption 1-5 against its image (and references) with a VLM.")
+    judge: bool = Field(
+        False,
+        title="LLM-as-judge pass",
+        description="Score each caption 1-5 against its image (and references) with a VLM.",
+    )
     judge_model: Optional[str] = Field(
-        None, title="Judge model", description="Any VLM checkpoint the model parameter accepts. Default: the model itself.")
+        None,
+        title="Judge model",
+        description="Any VLM checkpoint the model parameter accepts. Default: the model itself.",
+    )
     coco_java: bool = Field(
-        False, title="Java COCO metrics",
-        description="Tokenise with pycocoevalcap's PTB tokenizer and add METEOR (both need Java on the PATH).")
+        False,
+        title="Java COCO metrics",
+        description="Tokenise with pycocoevalcap's PTB tokenizer and add METEOR (both need Java on the PATH).",
+    )
     commit_rows: int = Field(
-        64, ge=1, title="Rows per committed caption shard",
-        description="Inference commits captions in shards of at most this many rows: a killed run loses at most these.")
+        64,
+        ge=1,
+        title="Rows per committed caption shard",
+        description="Inference commits captions in shards of at most this many rows: a killed run loses at most these.",
+    )
 
     def dummy_weights(self) -> bool:
         """vLLM draws random weights (``engine_kwargs.load_format == "dummy"``): no weight files needed."""
@@ -112,8 +168,12 @@ class RunConfig(BaseModel):
     def generation_params(self) -> dict[str, Any]:
         """What decides the generated text besides dataset and model (the generation fingerprint)."""
         return {
-            "system_prompt": self.system_prompt, "prompt": self.prompt, "max_tokens": self.max_tokens,
-            "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
+            "system_prompt": self.system_prompt,
+            "prompt": self.prompt,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
             **({"ignore_eos": True} if self.ignore_eos else {}),
         }
 

@@ -38,3 +38,8 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
                 fh.seek(size - EDGE)
                 h.update(fh.read(EDGE))
     return h.hexdigest()[:16]
+
+
+def generation_fingerprint(cfg) -> str:
+    """What decides the generated text besides dataset and model (``RunConfig.generation_params``)."""
+    return digest(cfg.generation_params())

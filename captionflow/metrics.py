@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import re
 import statistics
-from typing import Iterable
+from collections.abc import Iterable
 
 # The punctuation PTBTokenizer (pycocoevalcap.tokenizer) removes after tokenising.
-_PUNCT = {"''", "'", "``", "`", "-LRB-", "-RRB-", "-LCB-", "-RCB-", ".", "?", "!", ",", ":", "-", "--",
-          "...", ";"}
+_PUNCT = {"''", "'", "``", "`", "-LRB-", "-RRB-", "-LCB-", "-RCB-", ".", "?", "!", ",", ":", "-", "--", "...", ";"}
 _TOKEN = re.compile(r"[a-z0-9]+(?:'[a-z]+)?|[^\sa-z0-9]")
 
 
@@ -25,8 +24,9 @@ def ptb_tokenize(texts: dict[str, list[str]]) -> dict[str, list[str]]:
     return PTBTokenizer().tokenize({k: [{"caption": t} for t in v] for k, v in texts.items()})
 
 
-def reference_metrics(captions: dict[str, str], references: dict[str, list[str]],
-                      java: bool = False) -> tuple[dict, dict]:
+def reference_metrics(
+    captions: dict[str, str], references: dict[str, list[str]], java: bool = False
+) -> tuple[dict, dict]:
     """BLEU-1..4, ROUGE-L and CIDEr (pycocoevalcap's CIDEr-D scorer), plus METEOR with ``java``.
 
     Returns (aggregate, per_image) where per_image maps image_id -> {metric: score}. All images
@@ -83,7 +83,7 @@ def _pct(values: list[float], q: float) -> float:
 def repetition(text: str, n: int = 3) -> float:
     """Share of repeated word n-grams in one caption (0 = none repeated)."""
     words = simple_tokenize(text).split()
-    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
     return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
 
 
@@ -97,8 +97,13 @@ def length_stats(captions: Iterable[str], finish_reasons: Iterable[str], n_faile
     total = n + n_failed
 
     def dist(v: list[int]) -> dict:
-        return {"mean": statistics.fmean(v) if v else 0.0, "p5": _pct(v, 0.05), "median": _pct(v, 0.5),
-                "p95": _pct(v, 0.95), "max": max(v) if v else 0}
+        return {
+            "mean": statistics.fmean(v) if v else 0.0,
+            "p5": _pct(v, 0.05),
+            "median": _pct(v, 0.5),
+            "p95": _pct(v, 0.95),
+            "max": max(v) if v else 0,
+        }
 
     return {
         "n_captions": n,

@@ -8,13 +8,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from captionflow.builtin_model import BUILTIN_NAME, ensure_builtin_model
+from captionflow.builtin.model import BUILTIN_NAME, ensure_builtin_model
 from captionflow.cache import build_once, default_cache_dir
+from captionflow.errors import ModelError
 from captionflow.fingerprint import digest, model_fingerprint
-
-
-class ModelError(ValueError):
-    """The model parameter does not name a usable vision-language checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -39,12 +36,12 @@ def _download_s3(uri: str, cache_dir: str | None) -> Path:
         raise ModelError(f"model {uri!r}: cannot list the prefix ({type(e).__name__}: {e})") from None
     if not listing:
         raise ModelError(f"model {uri!r}: the prefix holds no files")
-    key = digest(sorted((p[len(root):], i.get("size"), str(i.get("ETag", ""))) for p, i in listing.items()))
+    key = digest(sorted((p[len(root) :], i.get("size"), str(i.get("ETag", ""))) for p, i in listing.items()))
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
 
     def download(tmp: Path) -> None:
         for path in listing:
-            rel = path[len(root):].lstrip("/")
+            rel = path[len(root) :].lstrip("/")
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             fs.get_file(path, str(tmp / rel))
 
@@ -59,7 +56,8 @@ def _download_hub(repo_id: str) -> Path:
     except Exception as e:
         raise ModelError(
             f"model {repo_id!r} is not a local folder and could not be fetched from the Hugging Face hub "
-            f"({type(e).__name__}: {str(e)[:300]}). Offline machines need a local path or s3:// prefix.") from None
+            f"({type(e).__name__}: {str(e)[:300]}). Offline machines need a local path or s3:// prefix."
+        ) from None
 
 
 def resolve_model(model: str, cache_dir: str | None = None, dummy_weights: bool = False) -> ResolvedModel:
@@ -95,11 +93,14 @@ def resolve_model(model: str, cache_dir: str | None = None, dummy_weights: bool 
     if "vision_config" not in cfg:
         raise ModelError(
             f"model {str(path)!r} ({', '.join(archs) or cfg.get('model_type', '?')}) has no vision_config: "
-            "captionflow needs a vision-language model")
+            "captionflow needs a vision-language model"
+        )
     weights = [p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt")]
     if not weights and not dummy_weights:
         raise ModelError(f"model {str(path)!r} has no weight files (*.safetensors / *.bin)")
     return ResolvedModel(
-        source=model, path=str(path), fingerprint=model_fingerprint(path),
+        source=model,
+        path=str(path),
+        fingerprint=model_fingerprint(path),
         architecture=archs[0] if archs else str(cfg.get("model_type", "unknown")),
     )

@@ -12,7 +12,8 @@ import json
 import os
 import posixpath
 import uuid
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import fsspec
 import pyarrow as pa
@@ -110,8 +111,13 @@ class Store:
         plain = [c for c in table.column_names if c not in media]
 
         def fill(fh) -> None:
-            pq.write_table(table, fh, compression={c: "none" if c in media else "zstd" for c in table.column_names},
-                           use_dictionary=plain, write_statistics=plain)
+            pq.write_table(
+                table,
+                fh,
+                compression={c: "none" if c in media else "zstd" for c in table.column_names},
+                use_dictionary=plain,
+                write_statistics=plain,
+            )
 
         return self._write(fill, *parts)
 
@@ -123,6 +129,11 @@ class Store:
     def read_tables(self, paths: Iterable[str], columns: Iterable[str] | None = None) -> pa.Table | None:
         tables = [self.read_table(p, columns) for p in paths]
         return pa.concat_tables(tables, promote_options="default") if tables else None
+
+    def ids(self, paths: Iterable[str]) -> set[str]:
+        """The values of the ``image_id`` column of some Parquet files."""
+        t = self.read_tables(list(paths), columns=["image_id"])
+        return set(t.column("image_id").to_pylist()) if t is not None else set()
 
     def remove(self, *parts: str) -> None:
         p = self.path(*parts)
@@ -150,7 +161,15 @@ def local_special(path: str, info: dict) -> tuple[dict, str]:
         return info, f"broken {link}: {type(e).__name__}: {e.strerror}" if link else f"{type(e).__name__}: {e}"
     if stat.S_ISREG(st.st_mode):
         return {**info, "size": st.st_size, "mtime": st.st_mtime}, ""
-    what = ("a directory (not followed: links can loop)" if stat.S_ISDIR(st.st_mode) else
-            "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else
-            "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a regular file")
+    what = (
+        "a directory (not followed: links can loop)"
+        if stat.S_ISDIR(st.st_mode)
+        else "a FIFO"
+        if stat.S_ISFIFO(st.st_mode)
+        else "a socket"
+        if stat.S_ISSOCK(st.st_mode)
+        else "a device"
+        if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+        else "not a regular file"
+    )
     return info, f"{link}: {what}" if link else f"not a regular file: {what}"

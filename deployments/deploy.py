@@ -34,7 +34,9 @@ def checkpoint_trigger(base: RunConfig):
 
     params: dict[str, Any] = {"config": {**base.model_dump(mode="json"), "model": "{{ event.payload.uri }}"}}
     return DeploymentEventTrigger(
-        name="captionflow: new checkpoint", expect={EVENT}, match={"prefect.resource.id": "captionflow.checkpoint.*"},
+        name="captionflow: new checkpoint",
+        expect={EVENT},
+        match={"prefect.resource.id": "captionflow.checkpoint.*"},
         parameters=params,
     )
 
@@ -51,26 +53,42 @@ def ensure_work_pool(name: str, pool_type: str = "process") -> None:
             client.create_work_pool(WorkPoolCreate(name=name, type=pool_type))
 
 
-def deploy(base: RunConfig, work_pool: str = "captionflow", cron: str = NIGHTLY_CRON,
-           pool_type: str = "process", image: str | None = None) -> dict[str, str]:
+def deploy(
+    base: RunConfig,
+    work_pool: str = "captionflow",
+    cron: str = NIGHTLY_CRON,
+    pool_type: str = "process",
+    image: str | None = None,
+) -> dict[str, str]:
     """Create or update both deployments; returns {deployment name: id}."""
     from prefect import flow as prefect_flow
 
     ensure_work_pool(work_pool, pool_type)
     source = prefect_flow.from_source(source=str(ROOT), entrypoint=ENTRYPOINT)
-    common: dict[str, Any] = dict(
-        work_pool_name=work_pool, parameters={"config": base.model_dump(mode="json")}, concurrency_limit=1,
-        enforce_parameter_schema=True, build=False, push=False, print_next_steps=False,
-        tags=["captionflow"],
-    )
+    common: dict[str, Any] = {
+        "work_pool_name": work_pool,
+        "parameters": {"config": base.model_dump(mode="json")},
+        "concurrency_limit": 1,
+        "enforce_parameter_schema": True,
+        "build": False,
+        "push": False,
+        "print_next_steps": False,
+        "tags": ["captionflow"],
+    }
     if image:
         common["image"] = image
     ids = {
-        "golden-nightly": source.deploy(name="golden-nightly", cron=cron,
-                                        description="Nightly evaluation of the configured checkpoint on the golden set",
-                                        **common),
-        "on-checkpoint": source.deploy(name="on-checkpoint", triggers=[checkpoint_trigger(base)],
-                                       description=f"Evaluate each checkpoint announced by a {EVENT} event",
-                                       **common),
+        "golden-nightly": source.deploy(
+            name="golden-nightly",
+            cron=cron,
+            description="Nightly evaluation of the configured checkpoint on the golden set",
+            **common,
+        ),
+        "on-checkpoint": source.deploy(
+            name="on-checkpoint",
+            triggers=[checkpoint_trigger(base)],
+            description=f"Evaluate each checkpoint announced by a {EVENT} event",
+            **common,
+        ),
     }
     return {k: str(v) for k, v in ids.items()}

@@ -35,13 +35,20 @@ def watch_once(prefix: str, state: str | None = None) -> list[str]:
     from prefect.events import emit_event
 
     store = Store(prefix)
-    state_store, state_name = (Store(posixpath.dirname(state)), posixpath.basename(state)) if state else (store, STATE_NAME)
+    state_store, state_name = (
+        (Store(posixpath.dirname(state)), posixpath.basename(state)) if state else (store, STATE_NAME)
+    )
     announced: list[str] = json.loads(state_store.read_bytes(state_name)) if state_store.exists(state_name) else []
     new = [c for c in find_checkpoints(prefix) if c not in set(announced)]
     for uri in new:
-        event = emit_event(event=EVENT, resource={"prefect.resource.id": f"captionflow.checkpoint.{digest(uri)}",
-                                                  "prefect.resource.name": posixpath.basename(uri)},
-                           payload={"uri": uri})
+        event = emit_event(
+            event=EVENT,
+            resource={
+                "prefect.resource.id": f"captionflow.checkpoint.{digest(uri)}",
+                "prefect.resource.name": posixpath.basename(uri),
+            },
+            payload={"uri": uri},
+        )
         if event is None:
             raise RuntimeError("Prefect events are not enabled: set PREFECT_API_URL to your Prefect server")
         announced.append(uri)

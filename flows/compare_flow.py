@@ -11,19 +11,21 @@ from __future__ import annotations
 from prefect import flow
 
 from captionflow.config import RunConfig
+from captionflow.layout import LEADERBOARD
 from captionflow.model_source import resolve_model
 from captionflow.storage import Store
 from flows.caption_flow import caption_flow
-from tasks.evaluate import LEADERBOARD
 
 
 @flow(name="captionflow-compare")
-def compare_checkpoints(config: RunConfig = RunConfig(), models: list[str] = ["builtin"]) -> dict:
+def compare_checkpoints(config: RunConfig = RunConfig(), models: tuple[str, ...] = ("builtin",)) -> dict:
     """Run the caption flow for each checkpoint (training order) and return their leaderboard rows."""
-    resolved = [resolve_model(m, dummy_weights=config.dummy_weights()) for m in models]  # every checkpoint checked before any run starts
+    # every checkpoint checked before any run starts
+    resolved = [resolve_model(m, dummy_weights=config.dummy_weights()) for m in models]
     runs = [caption_flow(config=config.model_copy(update={"model": m})) for m in models]
     store = Store(config.output)
     board = store.read_table(store.path(LEADERBOARD)).to_pylist()
     wanted = {r["run_dir"] for r in runs}
-    rows = sorted((r for r in board if r["run_dir"] in wanted), key=lambda r: [x["run_dir"] for x in runs].index(r["run_dir"]))
+    order = [r["run_dir"] for r in runs]
+    rows = sorted((r for r in board if r["run_dir"] in wanted), key=lambda r: order.index(r["run_dir"]))
     return {"runs": runs, "leaderboard": rows, "models": [m.fingerprint for m in resolved]}

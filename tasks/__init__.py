@@ -1,1 +1,1 @@
-"""The four pipeline stages, one module each; every stage is a Prefect task and a plain function."""
+"""The Prefect tasks: one per stage, each with its policy (retries, cache key, hooks) on its decorator."""

@@ -25,8 +25,12 @@ def s3_server():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
     server.start()
     host, port = server.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    env = {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     yield env["AWS_ENDPOINT_URL"]
@@ -60,7 +64,7 @@ def prefect_api():
 
 @pytest.fixture(scope="session")
 def builtin_model_dir(tmp_path_factory):
-    from captionflow.builtin_model import ensure_builtin_model
+    from captionflow.builtin.model import ensure_builtin_model
 
     return ensure_builtin_model()
 

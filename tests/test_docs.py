@@ -1,5 +1,8 @@
-"""The README stays true: every run parameter is documented, and the CI entry is the test command."""
+"""The README is a user's page and stays true; the reference pages are generated from the code."""
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 from captionflow.config import RunConfig
@@ -7,26 +10,29 @@ from captionflow.config import RunConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_every_parameter_is_in_the_readme():
+def test_every_parameter_is_documented_from_the_code():
+    # docs/parameters.md and docs/quarantine.md are what docs/generate.py makes of RunConfig and REASONS
+    r = subprocess.run([sys.executable, str(ROOT / "docs" / "generate.py"), "--check"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    page = (ROOT / "docs" / "parameters.md").read_text(encoding="utf-8")
+    missing = [name for name in RunConfig.model_fields if f"| `{name}` |" not in page]
+    assert not missing, f"docs/parameters.md lacks {missing}"
+
+
+def test_readme_is_a_users_page():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    missing = [name for name in RunConfig.model_fields if f"`{name}`" not in readme]
-    assert not missing, f"README's parameter table lacks {missing}"
+    assert len(readme.splitlines()) <= 200
+    first_block = readme[readme.index("```bash") : readme.index("```", readme.index("```bash") + 3)]
+    assert "make run" in first_block and "make test" in first_block  # the two commands come first
+    for link in re.findall(r"\]\((docs/[^)#]+)", readme):
+        assert (ROOT / link).is_file(), link
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", readme), "dated measurement history belongs to git and bench/results"
 
 
-def test_every_command_prints_its_help(capsys):
-    import pytest
-
-    from captionflow.cli import main
-
-    helps = {}
-    for command in ([], ["run"], ["compare"], ["deploy"], ["watch"], ["build-model"], ["demo-data"]):
-        with pytest.raises(SystemExit) as done:
-            main([*command, "--help"])
-        assert done.value.code == 0, command
-        out = helps[" ".join(command)] = capsys.readouterr().out
-        assert out.startswith("usage: captionflow"), (command, out[:200])
-    missing = [n for n in RunConfig.model_fields if "--" + n.replace("_", "-") not in helps["run"]]
-    assert not missing, f"`captionflow run --help` lacks {missing}"
+def test_code_does_not_point_into_the_readme():
+    for pkg in ("captionflow", "flows", "tasks", "deployments"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            assert "README" not in path.read_text(encoding="utf-8"), path
 
 
 def test_ci_runs_the_readme_test_command():
@@ -34,11 +40,3 @@ def test_ci_runs_the_readme_test_command():
     assert "make test" in readme and "make run" in readme
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert [line for line in ci.splitlines() if line and not line.startswith(("#", "set ", "cd "))] == ["make test"]
-
-
-def test_presets_keep_the_engine_fed():
-    from captionflow.presets import PRESETS
-
-    for p in PRESETS.values():
-        # enough requests in flight per replica to fill the vLLM scheduler
-        assert p.batch_size * p.max_concurrent_batches >= p.max_num_seqs, p.name

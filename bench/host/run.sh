@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The GPU benchmark on the offline GPU host (shared/GPU-HOST.md), from the wheelhouse parts of
+# infra/wheelhouse/build_wheelhouse.sh already copied to PARTS_DIR; installs once into /tmp/cf-site.
+#   bench/host/run.sh PARTS_DIR [bench/gpu_throughput.py options]
+# Results: $BENCH_WORK/gpu_throughput.json (default /tmp/cf-bench; and $OUT/ with the phases' logs, when OUT is set).
+set -uo pipefail
+PARTS=${1:?parts folder}
+shift
+source bench/host/env.sh
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+WORK=${BENCH_WORK:-/tmp/cf-bench}
+JSON=${BENCH_JSON:-$WORK/gpu_throughput.json}
+python3 bench/gpu_throughput.py --work "$WORK" --json "$JSON" "$@"
+rc=$?
+if [ -n "${OUT:-}" ]; then
+  cp "$WORK"/gpu_throughput*.json "$OUT/" 2>/dev/null
+  for f in "$WORK"/phase-*.log; do [ -f "$f" ] && tail -c 3000000 "$f" > "$OUT/$(basename "$f")"; done
+fi
+exit $rc

@@ -1,0 +1,305 @@
+"""Full-size architecture stand-ins: a real VLM's config, tokenizer and processor, without weights.
+
+For benchmarks on machines that cannot download checkpoints. The folder holds everything vLLM
+needs except the weights; run it with ``engine_kwargs={"load_format": "dummy"}`` (random
+weights) and a fixed output length (``ignore_eos``), and every image costs what it costs with
+the real model: same layers and widths, same vocabulary size (so the same LM head), same image
+processor (same vision tokens per image), same chat template and special-token ids.
+
+The tokenizer is a byte-level BPE with the real model's 151,643 regular tokens and its special
+tokens at the real ids (151,643-151,664): the merges learned from captionflow's bundled text
+come first, then every byte pair, then byte-pair+byte triples until the size is reached. Its
+prompts tokenise into a few more tokens than the real tokenizer's (a handful per prompt, next to
+hundreds of image tokens).
+
+    captionflow build-model --arch qwen2.5-vl-3b DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from captionflow.builtin.model import CHAT_TEMPLATE, _training_text, _write_json
+
+QWEN_REGULAR_TOKENS = 151_643
+QWEN_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+]
+QWEN_IDS = {t: QWEN_REGULAR_TOKENS + i for i, t in enumerate(QWEN_SPECIAL_TOKENS)}
+
+# Published architecture hyper-parameters (config.json of each *-Instruct checkpoint).
+ARCHES: dict[str, dict] = {
+    "qwen2.5-vl-3b": {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "model_type": "qwen2_5_vl",
+        "processor_class": "Qwen2_5_VLProcessor",
+        "text": {
+            "model_type": "qwen2_5_vl_text",
+            "vocab_size": 151936,
+            "hidden_size": 2048,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 128000,
+            "max_window_layers": 70,
+            "sliding_window": 32768,
+            "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+        },
+        "vision": {
+            "model_type": "qwen2_5_vl",
+            "depth": 32,
+            "hidden_act": "silu",
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "num_heads": 16,
+            "in_chans": 3,
+            "out_hidden_size": 2048,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "spatial_patch_size": 14,
+            "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31],
+            "tokens_per_second": 2,
+            "temporal_patch_size": 2,
+        },
+        "tie_word_embeddings": True,
+    },
+    "qwen2-vl-2b": {
+        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "model_type": "qwen2_vl",
+        "processor_class": "Qwen2VLProcessor",
+        "text": {
+            "model_type": "qwen2_vl_text",
+            "vocab_size": 151936,
+            "hidden_size": 1536,
+            "intermediate_size": 8960,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 32768,
+            "max_window_layers": 28,
+            "sliding_window": 32768,
+            "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+        },
+        "vision": {
+            "model_type": "qwen2_vl",
+            "depth": 32,
+            "embed_dim": 1280,
+            "hidden_size": 1536,
+            "hidden_act": "quick_gelu",
+            "mlp_ratio": 4,
+            "num_heads": 16,
+            "in_chans": 3,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        "tie_word_embeddings": True,
+    },
+}
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2 / Qwen byte-level alphabet, in token-id order (ids 0..255)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    order = sorted(range(256), key=lambda i: bs[i])
+    return [chr(cs[i]) for i in order]
+
+
+def _learned_merges() -> list[tuple[str, str]]:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=4096, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(_training_text(), trainer=trainer)
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merges]
+
+
+def build_tokenizer(out: Path) -> None:
+    """A byte-level BPE tokenizer of exactly Qwen's size and special-token ids (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = _bytes_to_unicode()
+    vocab: dict[str, int] = {ch: i for i, ch in enumerate(alphabet)}
+    merges: list[tuple[str, str]] = []
+
+    def add(a: str, b: str) -> bool:
+        if a + b in vocab or a not in vocab or b not in vocab:
+            return False
+        vocab[a + b] = len(vocab)
+        merges.append((a, b))
+        return len(vocab) >= QWEN_REGULAR_TOKENS
+
+    full = False
+    for a, b in _learned_merges():
+        if full := add(a, b):
+            break
+    pairs = [a + b for a in alphabet for b in alphabet]
+    for p in pairs:
+        if full or (full := add(p[0], p[1])):
+            break
+    for p in pairs:
+        if full:
+            break
+        for c in alphabet:
+            if full := add(p, c):
+                break
+    assert len(vocab) == QWEN_REGULAR_TOKENS, len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(QWEN_SPECIAL_TOKENS)
+    assert all(tok.token_to_id(t) == i for t, i in QWEN_IDS.items())
+    tok.save(str(out / "tokenizer.json"))
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "Qwen2Tokenizer",
+            "added_tokens_decoder": {
+                str(i): {
+                    "content": t,
+                    "lstrip": False,
+                    "normalized": False,
+                    "rstrip": False,
+                    "single_word": False,
+                    "special": True,
+                }
+                for t, i in QWEN_IDS.items()
+            },
+            "bos_token": None,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "unk_token": None,
+            "model_max_length": 131072,
+            "clean_up_tokenization_spaces": False,
+            "errors": "replace",
+            "split_special_tokens": False,
+        },
+    )
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+
+
+def arch_config(arch: str) -> dict:
+    a = ARCHES[arch]
+    text = {
+        **a["text"],
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "use_sliding_window": False,
+        "bos_token_id": QWEN_IDS["<|endoftext|>"],
+        "eos_token_id": QWEN_IDS["<|im_end|>"],
+        "dtype": "bfloat16",
+    }
+    return {
+        "architectures": a["architectures"],
+        "model_type": a["model_type"],
+        "text_config": text,
+        "vision_config": dict(a["vision"]),
+        "image_token_id": QWEN_IDS["<|image_pad|>"],
+        "video_token_id": QWEN_IDS["<|video_pad|>"],
+        "vision_start_token_id": QWEN_IDS["<|vision_start|>"],
+        "vision_end_token_id": QWEN_IDS["<|vision_end|>"],
+        "bos_token_id": QWEN_IDS["<|endoftext|>"],
+        "eos_token_id": QWEN_IDS["<|im_end|>"],
+        "tie_word_embeddings": a["tie_word_embeddings"],
+        "dtype": "bfloat16",
+    }
+
+
+def count_parameters(model_dir: str | os.PathLike) -> int:
+    """Parameters of the architecture in ``model_dir`` (built on the meta device: no memory used)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_standin(arch: str, out_dir: str | os.PathLike) -> Path:
+    """Write the stand-in for ``arch`` (one of ARCHES) into ``out_dir`` (created; must not exist)."""
+    if arch not in ARCHES:
+        raise ValueError(f"unknown architecture {arch!r}; known: {', '.join(sorted(ARCHES))}")
+    out = Path(out_dir)
+    out.mkdir(parents=True)
+    build_tokenizer(out)
+    _write_json(out / "config.json", arch_config(arch))
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": QWEN_IDS["<|endoftext|>"],
+            "pad_token_id": QWEN_IDS["<|endoftext|>"],
+            "eos_token_id": [QWEN_IDS["<|im_end|>"], QWEN_IDS["<|endoftext|>"]],
+        },
+    )
+    _write_json(
+        out / "preprocessor_config.json",
+        {
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": ARCHES[arch]["processor_class"],
+            "do_convert_rgb": True,
+            "do_normalize": True,
+            "do_rescale": True,
+            "do_resize": True,
+            "image_mean": [0.48145466, 0.4578275, 0.40821073],
+            "image_std": [0.26862954, 0.26130258, 0.27577711],
+            "rescale_factor": 0.00392156862745098,
+            "resample": 3,
+            "min_pixels": 3136,
+            "max_pixels": 12845056,
+            "size": {"shortest_edge": 3136, "longest_edge": 12845056},
+            "patch_size": 14,
+            "temporal_patch_size": 2,
+            "merge_size": 2,
+        },
+    )
+    _write_json(
+        out / "captionflow_model.json",
+        {
+            "name": f"standin-{arch}",
+            "architecture": arch,
+            "parameters": count_parameters(out),
+            "weights": None,
+            "note": "no weights: run with engine_kwargs load_format=dummy (random weights, meaningless captions)",
+        },
+    )
+    return out

@@ -1,0 +1,127 @@
+"""Build vLLM's HF processor in each engine actor while its engine core is still starting.
+
+vLLM 0.26's front end builds the model's HF processor (``ProcessorMixin.from_pretrained``, tokenizer
+files included) once at start-up and once more on the first request: the renderer works with its own
+copy of the tokenizer, and the tokenizer object is part of vLLM's processor cache key. Inside Ray
+Data LLM that second build runs on the engine actor's asyncio loop, so nothing is sent to the engine
+and no result comes back until it ends: on the H100 host with 4 engines, 12-14 s per engine, half of
+a 2,000-image run after the engines were up.
+Can go when the GPU host runs vLLM 0.29 or later, which warms the processor itself at start-up (there
+this is redundant and harmless).
+
+``install`` is Ray's ``worker_process_setup_hook`` for the job (``SETUP_HOOK``, set by
+``captionflow.pipeline.session.ray_session`` for the GPU preset and on a Ray cluster; Ray ignores one given to a
+single actor). It imports nothing: when vLLM's
+modules in ``PATCHES`` are imported later in a worker, (1) ``InputProcessor`` is wrapped so that, once
+constructed (before the engine core - a separate process - has loaded and compiled the model), a
+background thread asks the renderer's multimodal processor for its HF processor with the request
+path's arguments - the first request then finds it in vLLM's cache; (2) ``AsyncLLM`` logs the moment
+it is ready to take requests (``ACCEPTING``), which the GPU benchmark reads. If anything here fails,
+vLLM builds the processor on the first request, as it would without this.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import sys
+import threading
+import time
+
+SETUP_HOOK = "captionflow.compat.vllm_warmup.install"
+THREAD_NAME = "captionflow-processor-warmup"
+
+
+def _say(msg: str) -> None:  # to the worker's log file (Ray keeps each worker's stderr)
+    print(f"captionflow {time.strftime('%H:%M:%S')}: {msg}", file=sys.stderr, flush=True)
+
+
+def start_warmup(renderer) -> threading.Thread | None:
+    """Build ``renderer``'s HF processor in a daemon thread (None for a text-only model)."""
+    mm = getattr(renderer, "mm_processor", None)
+    if mm is None:
+        return None
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        try:
+            mm.info.get_hf_processor()  # what a request without mm_processor_kwargs asks for
+        except Exception as e:  # vLLM then builds it on the first request, as without this
+            _say(f"could not pre-build the HF processor ({e!r}); vLLM builds it on the first request")
+            return
+        _say(f"HF processor pre-built in {time.perf_counter() - t0:.1f} s")
+
+    t = threading.Thread(target=run, name=THREAD_NAME, daemon=True)
+    t.start()
+    return t
+
+
+def _wrap_init(cls, after) -> None:
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        after(self)
+
+    cls.__init__ = __init__
+    cls._captionflow_patched = True
+
+
+def patch_input_processor(module) -> bool:
+    """Start the pre-build when ``InputProcessor`` is constructed (False: no such class)."""
+    cls = getattr(module, "InputProcessor", None)
+    if cls is not None and not getattr(cls, "_captionflow_patched", False):
+        _wrap_init(cls, lambda self: start_warmup(getattr(self, "renderer", None)))
+    return cls is not None
+
+
+def patch_async_llm(module) -> bool:
+    """Log when an ``AsyncLLM`` (the engine front end Ray Data LLM drives) is ready to take requests:
+    ``ACCEPTING`` and the Unix time, which bench/gpu_throughput.py reads (raw vLLM's counterpart is
+    ``LLM()`` returning)."""
+    cls = getattr(module, "AsyncLLM", None)
+    if cls is not None and not getattr(cls, "_captionflow_patched", False):
+        _wrap_init(cls, lambda self: _say(f"{ACCEPTING} {time.time():.3f}"))
+    return cls is not None
+
+
+ACCEPTING = "vLLM engine accepting requests at"
+PATCHES = {"vllm.v1.engine.input_processor": patch_input_processor, "vllm.v1.engine.async_llm": patch_async_llm}
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the real loader of each module in PATCHES so that its patch runs
+    right after the module has executed."""
+
+    def __init__(self):
+        self.seen: set[str] = set()
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in PATCHES or name in self.seen:
+            return None
+        self.seen.add(name)
+        if self.seen >= set(PATCHES):
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)  # the normal finders (we return None for a name seen)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            if not PATCHES[name](module):
+                _say(f"{name} lacks the class captionflow patches; left as it is")
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+def install() -> None:
+    """Ray worker_process_setup_hook: patch the modules in PATCHES now if loaded, else on import."""
+    for name, fn in PATCHES.items():
+        if name in sys.modules:
+            fn(sys.modules[name])
+    if not all(n in sys.modules for n in PATCHES) and not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())

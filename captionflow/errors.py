@@ -1,0 +1,23 @@
+"""The errors captionflow raises on purpose: each says what is wrong and where, and none is worth a retry."""
+
+from __future__ import annotations
+
+
+class CaptionflowError(Exception):
+    """Base of captionflow's own errors."""
+
+
+class DatasetError(CaptionflowError, ValueError):
+    """The dataset parameter names nothing usable (missing, unreadable, no image column, 0 rows...)."""
+
+
+class ModelError(CaptionflowError, ValueError):
+    """The model parameter does not name a usable vision-language checkpoint."""
+
+
+class RowsFailed(CaptionflowError, RuntimeError):
+    """Rows still failed after every retry pass. ``result`` is the stage's result, failures counted."""
+
+    def __init__(self, message: str, result):
+        super().__init__(message)
+        self.result = result

@@ -1,0 +1,89 @@
+"""Engine settings resolved once: the device preset with the run's overrides applied.
+
+Every LLM stage (captioning, judging) builds its vLLM engines from one ``EngineSettings``; nothing
+downstream reads ``cfg.x or preset.x`` again.
+
+Engines per GPU (GPU preset). One vLLM engine does its multimodal input processing in one Python
+process; the GPU preset runs ``engines_per_gpu`` replicas per GPU (each a Ray actor holding ``1/k`` of
+the GPU, a fixed KV cache and ``gpu_memory_utilization`` 0.9/k, under CUDA MPS when captionflow
+started Ray itself) so that k front ends feed the GPU. k = as many as fit in 90% of the GPU's memory
+at (weights + fixed KV cache + overhead) each, at most the preset's ``max_engines_per_gpu``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from captionflow.compat.cuda_mps import ensure_mps
+from captionflow.config import RunConfig
+from captionflow.model_source import ResolvedModel
+from captionflow.pipeline.device import local_gpu_memory_bytes
+from captionflow.pipeline.presets import Preset, engines_per_gpu, model_weight_bytes
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    preset: Preset
+    batch_size: int  # rows per Ray Data batch
+    max_concurrent_batches: int  # batches in flight per engine replica
+    concurrency: int  # engine replicas
+    engines_per_gpu: int
+    gpu_share: float  # of one GPU per replica (0 on CPU)
+    max_pixels: int  # the image processor's pixel budget
+    engine_kwargs: dict[str, Any]  # what vLLM gets, final
+    env: dict[str, str] = field(default_factory=dict)  # extra environment of the engine workers (CUDA MPS)
+    accelerator_type: str | None = None
+    tensor_parallel_size: int = 1
+
+
+def resolve_engine(
+    cfg: RunConfig, model: ResolvedModel, preset: Preset, gpus: int = 0, local_ray: bool = True
+) -> EngineSettings:
+    """``gpus``: GPUs of the Ray cluster; ``local_ray``: captionflow started that Ray (its GPUs are this
+    machine's, so CUDA MPS can be started here)."""
+    max_pixels = cfg.max_pixels or preset.max_pixels
+    k, share, concurrency = 1, 0.0, cfg.concurrency or preset.concurrency
+    layout_kwargs: dict[str, Any] = {}
+    env: dict[str, str] = {}
+    if preset.engine_gpus:
+        gpu_mem = int(cfg.gpu_memory_gib * 2**30) if cfg.gpu_memory_gib else (local_gpu_memory_bytes() or 80 * 2**30)
+        k = engines_per_gpu(
+            preset, model_weight_bytes(model.path), gpu_mem, cfg.tensor_parallel_size, cfg.engines_per_gpu
+        )
+        share = 1.0 / k
+        concurrency = cfg.concurrency or max(1, gpus // cfg.tensor_parallel_size) * k
+        if k > 1:
+            # Each engine checks at start that its share of the GPU is free, and gets a fixed KV cache
+            # instead of profiling "the rest of the GPU" (which the other engines are filling meanwhile).
+            layout_kwargs = {
+                "gpu_memory_utilization": round(0.9 / k, 3),
+                "kv_cache_memory_bytes": preset.kv_cache_bytes,
+            }
+            if local_ray:  # the GPUs are this machine's: run the engines under CUDA MPS
+                env = ensure_mps(cfg.cuda_mps)
+    engine_kwargs: dict[str, Any] = {
+        "max_num_seqs": cfg.max_num_seqs or preset.max_num_seqs,
+        "max_model_len": cfg.max_model_len or preset.max_model_len,
+        "limit_mm_per_prompt": {"image": 1, "video": 0},
+        # the image budget, set once for the engine (also what its start-up memory profile assumes per
+        # image) and not repeated per request
+        "mm_processor_kwargs": {"max_pixels": max_pixels},
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        **preset.engine_kwargs,
+        **layout_kwargs,
+        **cfg.engine_kwargs,
+    }
+    return EngineSettings(
+        preset=preset,
+        batch_size=cfg.batch_size or preset.batch_size,
+        max_concurrent_batches=cfg.max_concurrent_batches or preset.max_concurrent_batches,
+        concurrency=concurrency,
+        engines_per_gpu=k,
+        gpu_share=share,
+        max_pixels=max_pixels,
+        engine_kwargs=engine_kwargs,
+        env=env,
+        accelerator_type=cfg.accelerator_type,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+    )

@@ -1,0 +1,118 @@
+"""The commit ledger of an LLM stage (captioning, judging) and the pass loop they share.
+
+The driver pulls result rows from the Ray Data pipeline as they finish and commits them in shards of
+at most ``commit_rows`` rows, each written atomically: rows without an error under ``<base>/<ok kind>/``
+(their ids are done), rows the engine rejected under ``<base>/failures/``. A rerun reads the
+``image_id`` column of the committed shards and sends only the other rows: a killed run loses at most
+the uncommitted rows and never commits a row twice. Failed rows are retried in later passes, up to
+``row_retries`` extra passes, and never counted as done.
+
+Ray Data's own job checkpointing (``CheckpointConfig``) tracks rows written by a ``write_*`` sink; here
+rows must also be routed by outcome and retried pass by pass, on any fsspec store: one ledger does it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Optional
+
+import pyarrow as pa
+
+from captionflow.layout import FAILURES
+from captionflow.results import PassResult
+from captionflow.storage import Store
+
+# progress(done, total, rows per second since the pass's first result): after every commit
+Progress = Callable[[int, int, float], None]
+
+
+class Ledger:
+    """The committed shards of one stage's results under ``store/base``."""
+
+    def __init__(self, store: Store, base: tuple[str, ...], ok_kind: str, schema: pa.Schema, commit_rows: int):
+        self.store, self.base, self.ok_kind, self.schema, self.commit_rows = store, base, ok_kind, schema, commit_rows
+
+    def committed(self) -> set[str]:
+        return self.store.ids(self.store.ls(*self.base, self.ok_kind, suffix=".parquet"))
+
+    def _commit(self, kind: str, rows: list[dict]) -> int:
+        if not rows:
+            return 0
+        n = len(rows)
+        self.store.write_table(
+            pa.Table.from_pylist(rows, schema=self.schema),
+            *self.base,
+            kind,
+            f"part-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet",
+        )
+        rows.clear()
+        return n
+
+    def drain(
+        self, out, done: set, on_commit: Optional[Callable[[int, float], None]] = None
+    ) -> tuple[int, int, Optional[float]]:
+        """Pull the rows of Ray dataset ``out`` and commit them; ids of committed rows join ``done``.
+        Returns (committed, failed, seconds to the first row); ``on_commit(n, rows/s)`` after each commit."""
+        t0 = time.perf_counter()
+        ok_rows: list[dict] = []
+        failed_rows: list[dict] = []
+        first_row_s = t_first = None
+        n_ok = 0
+
+        def commit() -> None:
+            nonlocal n_ok
+            ids = [r["image_id"] for r in ok_rows]
+            n_ok += self._commit(self.ok_kind, ok_rows)
+            done.update(ids)
+            if on_commit and t_first is not None:
+                on_commit(n_ok, n_ok / max(time.perf_counter() - t_first, 1e-9))
+
+        for row in out.iter_rows():
+            if t_first is None:
+                t_first = time.perf_counter()
+                first_row_s = round(t_first - t0, 2)
+            (failed_rows if row["error"] else ok_rows).append(row)
+            if len(ok_rows) >= self.commit_rows:
+                commit()
+        commit()
+        n_failed = self._commit(FAILURES, failed_rows)
+        return n_ok, n_failed, first_row_s
+
+
+def _reporter(progress: Progress, before: int, total: int) -> Callable[[int, float], None]:
+    """A pass's commits as overall progress: ``before`` rows were done when the pass began."""
+    return lambda n, rate: progress(before + n, total, rate)
+
+
+def run_passes(
+    ledger: Ledger,
+    todo: set[str],
+    done: set[str],
+    row_retries: int,
+    rows_for: Callable[[int, list[str]], object],
+    progress: Optional[Progress] = None,
+) -> list[PassResult]:
+    """Send the ids of ``todo`` not yet in ``done`` through ``rows_for(attempt, pending)`` (a Ray dataset
+    of fixed-schema result rows) and commit them; again for the rows that failed, up to ``row_retries``
+    more passes."""
+    passes = []
+    for attempt in range(row_retries + 1):
+        pending = sorted(todo - done)
+        if not pending:
+            break
+        t_pass = time.perf_counter()
+        on_commit = _reporter(progress, len(done & todo), len(todo)) if progress else None
+        n_ok, n_failed, first_row_s = ledger.drain(rows_for(attempt, pending), done, on_commit)
+        passes.append(
+            PassResult(
+                attempt=attempt,
+                sent=len(pending),
+                ok=n_ok,
+                failed=n_failed,
+                seconds=round(time.perf_counter() - t_pass, 2),
+                first_row_s=first_row_s,
+            )
+        )
+    return passes

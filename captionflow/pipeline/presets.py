@@ -1,0 +1,158 @@
+"""Engine and resource presets for CPU and GPU, and the Ray resource sizing they imply.
+
+Ray schedules by *logical* CPUs: every stage here declares its CPU share, and a local Ray is started
+with ``max(physical cores, ceil(sum of the declared shares) + 1)`` logical CPUs, so that every stage
+can be placed at once on a small machine (``pipeline/session.py``; docs/sizing.md). The shares are
+bookkeeping: the busy process is the vLLM engine, which sizes its own threads to the physical cores.
+
+The GPU preset runs several engine replicas per GPU (``engines_per_gpu``, see ``pipeline/engine.py``)
+so that several front-end processes share the image processing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    batch_size: int
+    concurrency: int
+    max_concurrent_batches: int
+    max_num_seqs: int
+    max_model_len: int
+    max_pixels: int
+    cpu_stage_cpus: float  # each Ray Data LLM CPU stage actor
+    map_cpus: float  # each plain map/read task
+    # Most tasks at once of each plain map/read operator. Bounded so that a small, steady set of Ray
+    # worker processes runs them: unbounded, Ray Data launched ~15 postprocess tasks at once when the
+    # first results arrived, Ray started a new worker process for each (~1-2 s of CPU apiece, all 16
+    # cores busy for ~4 s), and the engines' front ends starved: the GPU fell to 12-50% busy on an H100.
+    # The maps are light.
+    map_concurrency: int
+    engine_cpus: float
+    engine_gpus: int
+    tokenize_in_ray: bool  # separate tokenize/detokenize stages (else vLLM does it in-engine)
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    cpu_stage_concurrency: int = 1  # most actors of each Ray Data LLM CPU stage (autoscaling from 1)
+    max_engines_per_gpu: int = 1
+    kv_cache_bytes: int = 0  # fixed KV cache of each engine when several share a GPU
+    engine_overhead_bytes: int = 0  # activations, CUDA graphs, vision encoder workspace per engine
+    # Batches Ray Data hands each engine actor at once (None: Ray's default, 2 x max_concurrent_batches).
+    # Equal to max_concurrent_batches, the remaining batches wait in Ray Data's queue and go to whichever
+    # engine frees a slot first, instead of piling up behind the first engine that finished starting.
+    max_tasks_in_flight_per_actor: int | None = None
+
+
+CPU = Preset(
+    name="cpu",
+    batch_size=8,
+    concurrency=1,
+    max_concurrent_batches=2,
+    max_num_seqs=16,
+    max_model_len=1024,
+    max_pixels=224 * 224,
+    cpu_stage_cpus=0.25,
+    map_cpus=0.25,
+    map_concurrency=2,
+    engine_cpus=1.0,
+    engine_gpus=0,
+    tokenize_in_ray=False,
+    # enforce_eager: torch.compile warm-up costs ~40 s on 2 cores for no gain on a tiny model.
+    # kv_cache_memory_bytes: a fixed KV budget instead of vLLM's "fraction of node memory" check.
+    engine_kwargs={"enforce_eager": True, "kv_cache_memory_bytes": 512 * 2**20, "dtype": "float32"},
+)
+GPU = Preset(
+    name="gpu",
+    batch_size=32,
+    concurrency=1,
+    max_concurrent_batches=12,
+    max_num_seqs=256,
+    max_model_len=4096,
+    max_pixels=448 * 448,
+    cpu_stage_cpus=1.0,
+    map_cpus=0.5,
+    map_concurrency=4,
+    engine_cpus=2.0,
+    engine_gpus=1,
+    # tokenize in the engine, from the chat-templated text, as raw vLLM does: two fewer Ray actors per
+    # pipeline; tokenising is a small part of the engine's input processing.
+    tokenize_in_ray=False,
+    # max_num_batched_tokens: vLLM's default depends on who builds the engine - 16384 on an H100 for
+    # vllm.LLM, 2048 for the AsyncLLM that Ray Data LLM builds - so an image prompt (~300 tokens)
+    # prefills a few at a time per step unless it is set. engine_cpus 2: Ray gives each engine actor
+    # OMP_NUM_THREADS = its CPUs, and the image processor's torch ops run on them.
+    # prefix caching: every request starts with the same system prompt; chunked prefill: long image
+    # prompts do not stall running decodes; no processor cache: every image is new (it only costs hashing).
+    engine_kwargs={
+        "enable_prefix_caching": True,
+        "enable_chunked_prefill": True,
+        "gpu_memory_utilization": 0.9,
+        "mm_processor_cache_gb": 0,
+        "max_num_batched_tokens": 16384,
+    },
+    cpu_stage_concurrency=4,
+    max_engines_per_gpu=4,
+    kv_cache_bytes=4 * 2**30,
+    engine_overhead_bytes=4 * 2**30,
+    # 12 batches of 32 per engine: max_num_seqs running plus half as many waiting, and no more (see above).
+    max_tasks_in_flight_per_actor=12,
+)
+PRESETS = {"cpu": CPU, "gpu": GPU}
+
+# Plain Ray Data tasks in the inference pipeline: read, filter, preprocess map, postprocess map, final map.
+N_MAP_TASKS = 5
+
+
+def pipeline_cpus(preset: Preset, concurrency: int) -> float:
+    """Sum of the logical CPUs every stage of the inference pipeline declares (CPU stages at full size)."""
+    n_cpu_stages = 2 + (2 if preset.tokenize_in_ray else 0)  # multimodal prep + chat template (+ tok/detok)
+    return (
+        n_cpu_stages * preset.cpu_stage_concurrency * preset.cpu_stage_cpus
+        + N_MAP_TASKS * preset.map_cpus
+        + concurrency * preset.engine_cpus
+    )
+
+
+def model_weight_bytes(model_path: str) -> int | None:
+    """Bytes of the checkpoint's weights: its weight files, else a stand-in's parameter count in bf16."""
+    import json
+    from pathlib import Path
+
+    root = Path(model_path)
+    files = [p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt")] if root.is_dir() else []
+    if files:
+        return sum(p.stat().st_size for p in files)
+    meta = root / "captionflow_model.json"
+    if meta.is_file():
+        params = json.loads(meta.read_text()).get("parameters")
+        return int(params) * 2 if params else None
+    return None
+
+
+def engines_per_gpu(
+    preset: Preset,
+    weight_bytes: int | None,
+    gpu_memory_bytes: int | None,
+    tensor_parallel_size: int = 1,
+    override: int | None = None,
+) -> int:
+    """How many engine replicas share one GPU (see the module docstring)."""
+    if override:
+        return override
+    if preset.engine_gpus == 0 or preset.max_engines_per_gpu <= 1 or tensor_parallel_size > 1:
+        return 1
+    if not weight_bytes or not gpu_memory_bytes:
+        return 1
+    per_engine = weight_bytes + preset.kv_cache_bytes + preset.engine_overhead_bytes
+    return max(1, min(preset.max_engines_per_gpu, int(0.9 * gpu_memory_bytes // per_engine)))
+
+
+def local_ray_cpus(preset: Preset, concurrency: int, override: int | None = None) -> int:
+    if override:
+        return override
+    return max(os.cpu_count() or 1, math.ceil(pipeline_cpus(preset, concurrency)) + 1)

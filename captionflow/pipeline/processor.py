@@ -1,0 +1,107 @@
+"""The Ray Data LLM pipeline of one LLM stage: the rows still to do in, fixed-schema result rows out.
+
+    read_parquet(dataset shards) -> keep pending ids -> re-block
+    -> build_processor: [preprocess (request rows) -> PrepareMultimodalStage -> ChatTemplateStage
+       (-> TokenizeStage) -> vLLMEngineStage (-> DetokenizeStage) -> postprocess] -> fixed schema
+
+Shared by captioning and the LLM judge; the row functions (``captionflow.workers.llm_rows``) decide
+the task. Every CPU stage declares its share (``presets.py``), and rows that fail individually come
+out with ``__inference_error__`` instead of failing the batch (``should_continue_on_error``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+
+from captionflow.pipeline.engine import EngineSettings
+from captionflow.pipeline.presets import Preset
+from captionflow.pipeline.session import WORKER_ENV
+from captionflow.workers.llm_rows import keep_pending
+
+
+def map_task_kwargs(preset: Preset) -> dict[str, Any]:
+    """Resources and concurrency of every plain map/read task of the LLM passes (see presets.py)."""
+    import ray.data
+
+    return {"num_cpus": preset.map_cpus, "compute": ray.data.TaskPoolStrategy(size=preset.map_concurrency)}
+
+
+def read_pending(fs, shard_paths: list[str], columns: list[str], pending: list[str], engine: EngineSettings):
+    """A Ray dataset of the dataset shards' rows whose image_id is in ``pending``.
+
+    Re-blocked to one batch of rows per block (a streaming split, no shuffle): a shard is one Parquet
+    block of up to ``shard_rows`` rows, and without the split the engine would only see - and the
+    driver only commit - whole shards, so nothing would stream and a kill would lose a shard.
+    """
+    import ray
+    from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+    preset = engine.preset
+    # pyarrow's own S3 filesystem ignores AWS_ENDPOINT_URL: hand Ray the fsspec one explicitly.
+    ds = ray.data.read_parquet(
+        shard_paths,
+        filesystem=PyFileSystem(FSSpecHandler(fs)),
+        columns=columns,
+        num_cpus=preset.map_cpus,
+        concurrency=preset.map_concurrency,
+    )
+    ds = ds.map_batches(
+        functools.partial(keep_pending, pending=pa.array(pending, pa.string())),
+        batch_format="pyarrow",
+        **map_task_kwargs(preset),
+    )
+    return ds.repartition(target_num_rows_per_block=engine.batch_size)
+
+
+def build_vlm_processor(engine: EngineSettings, model_path: str, preprocess: Callable, postprocess: Callable):
+    """A Ray Data LLM processor for one VLM: ``preprocess`` turns a dataset row into a request,
+    ``postprocess`` the engine's answer into a result row."""
+    from ray.data.llm import build_processor, vLLMEngineProcessorConfig
+
+    preset = engine.preset
+    cpu_stage = {"enabled": True, "num_cpus": preset.cpu_stage_cpus, "concurrency": preset.cpu_stage_concurrency}
+    extra: dict[str, Any] = {}
+    concurrency: int | tuple[int, int] = engine.concurrency
+    if preset.engine_gpus == 0:
+        # Without this, the engine actor asks Ray for one GPU per replica and never starts on CPU.
+        extra["placement_group_config"] = {"bundles": [{"CPU": preset.engine_cpus}] * engine.tensor_parallel_size}
+    else:
+        if engine.engines_per_gpu > 1:
+            extra["placement_group_config"] = {"bundles": [{"CPU": preset.engine_cpus, "GPU": engine.gpu_share}]}
+        # Start every replica at once: an engine takes a minute to start, too slow to autoscale into.
+        concurrency = (concurrency, concurrency)
+    if preset.max_tasks_in_flight_per_actor:
+        extra["max_tasks_in_flight_per_actor"] = max(
+            preset.max_tasks_in_flight_per_actor, engine.max_concurrent_batches
+        )
+    config = vLLMEngineProcessorConfig(
+        model_source=model_path,
+        engine_kwargs=engine.engine_kwargs,
+        batch_size=engine.batch_size,
+        concurrency=concurrency,
+        max_concurrent_batches=engine.max_concurrent_batches,
+        accelerator_type=engine.accelerator_type,
+        should_continue_on_error=True,
+        log_engine_metrics=False,
+        runtime_env={"env_vars": {**WORKER_ENV, **engine.env}},
+        prepare_multimodal_stage={
+            **cpu_stage,
+            "model_config_kwargs": {"limit_mm_per_prompt": {"image": 1, "video": 0}},
+        },
+        chat_template_stage=cpu_stage,
+        tokenize_stage={**cpu_stage, "enabled": preset.tokenize_in_ray},
+        detokenize_stage={**cpu_stage, "enabled": preset.tokenize_in_ray},
+        **extra,
+    )
+    map_kwargs = map_task_kwargs(preset)
+    return build_processor(
+        config,
+        preprocess=preprocess,
+        postprocess=postprocess,
+        preprocess_map_kwargs=map_kwargs,
+        postprocess_map_kwargs=map_kwargs,
+    )

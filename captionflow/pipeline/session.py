@@ -1,0 +1,130 @@
+"""The Ray session: one object owns captionflow's use of Ray in a process.
+
+It connects to a cluster (``ray_address``, else ``RAY_ADDRESS``) or starts a local Ray sized for
+the pipeline, knows which it did (a cluster's settings and GPUs are the cluster's business; a local
+Ray's are ours), and answers the questions the stages ask of it: the device preset, how many CPU
+workers fit, what share of a CPU one CPU-bound task declares.
+
+Local sizing. Ray schedules by *logical* CPUs. Ray Data LLM runs one actor per stage plus the engine
+actor, and plain tasks for read, filter and the pre/post maps; at Ray's defaults (1 CPU each) the
+actors take every CPU of a 2-core machine and the map tasks wait forever ("Active & requested
+resources: 3/2 CPU"). So every stage declares its share (``presets.py``) and a local Ray gets
+``max(physical cores, ceil(sum of shares) + 1)`` logical CPUs (``presets.local_ray_cpus``).
+
+The device is detected once: a local Ray is given the GPUs this machine has (``device.local_gpus``,
+through NVML, no CUDA context in this process), so Ray's resources and captionflow's view agree; a
+cluster's come from Ray.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from captionflow.compat import vllm_warmup
+from captionflow.config import RunConfig
+from captionflow.pipeline.device import local_gpus
+from captionflow.pipeline.presets import PRESETS, Preset, local_ray_cpus
+
+WORKER_ENV = {  # every Ray worker: offline, no usage statistics
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+# Only for a Ray this process starts (a cluster's settings are its own). It has no dashboard, so no
+# one reads its Prometheus metrics; collecting them cost every Ray process CPU (the preprocess stage
+# ran ~7% faster on 2 cores without). Set RAY_enable_metrics_collection=1 to keep them.
+LOCAL_RAY_ENV = {"RAY_enable_metrics_collection": "0"}
+
+
+def cluster_address(cfg: RunConfig) -> Optional[str]:
+    """The Ray cluster to use (None: a local Ray)."""
+    return cfg.ray_address or os.environ.get("RAY_ADDRESS") or None
+
+
+@dataclass
+class RaySession:
+    address: Optional[str]  # the cluster connected to; None for a local Ray
+    started_here: bool  # this process started the (local) Ray it uses
+
+    @property
+    def local(self) -> bool:
+        return self.address is None
+
+    def resources(self) -> dict[str, float]:
+        import ray
+
+        return ray.cluster_resources()
+
+    def gpus(self) -> int:
+        return int(self.resources().get("GPU", 0))
+
+    def preset(self, device: str) -> Preset:
+        """The preset for ``device`` ("auto": gpu where the cluster has a GPU)."""
+        if device != "auto":
+            return PRESETS[device]
+        return PRESETS["gpu" if self.gpus() > 0 else "cpu"]
+
+    def cpu_task_share(self) -> float:
+        """Logical CPUs that one CPU-bound task or actor declares, so that at most one runs per physical
+        core: a local Ray declares more logical CPUs than cores; on a cluster one."""
+        if not self.local:
+            return 1.0
+        physical = os.cpu_count() or 1
+        return max(1.0, self.resources().get("CPU", physical) / physical)
+
+    def cpu_workers(self) -> int:
+        """How many CPU-bound workers (one per physical core, or per cluster CPU) fit at once."""
+        return max(1, int(self.resources().get("CPU", 1) / self.cpu_task_share()))
+
+
+_SESSION: list[RaySession] = []  # the process's session, once there is one
+
+
+def ray_session(cfg: RunConfig) -> RaySession:
+    """The process's Ray session: connect to the cluster, else start a local Ray sized for ``cfg``.
+
+    A Ray already initialised in this process (by a caller, a test, a benchmark) is adopted as it is.
+    """
+    import ray
+
+    if _SESSION and ray.is_initialized():
+        return _SESSION[0]
+    _SESSION.clear()
+    address = cluster_address(cfg)
+    if ray.is_initialized():
+        _SESSION.append(RaySession(address=address, started_here=False))
+        return _SESSION[0]
+    for k, v in WORKER_ENV.items():
+        os.environ.setdefault(k, v)
+    # The vLLM processor pre-build hook (import-triggered, otherwise a no-op) is set for the whole job:
+    # Ray does not run a setup hook given to a single actor's runtime_env.
+    hook = {"worker_process_setup_hook": vllm_warmup.SETUP_HOOK}
+    if address:
+        ray.init(address=address, runtime_env={"env_vars": WORKER_ENV, **hook}, log_to_driver=False)
+        _SESSION.append(RaySession(address=address, started_here=False))
+        return _SESSION[0]
+    for k, v in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(k, v)
+    gpus = local_gpus()
+    hint = PRESETS[cfg.device] if cfg.device != "auto" else PRESETS["gpu" if gpus else "cpu"]
+    engines = cfg.concurrency or hint.concurrency * (cfg.engines_per_gpu or hint.max_engines_per_gpu)
+    # A local Ray's workers inherit this process's environment (WORKER_ENV is set above). A job
+    # runtime_env, even env_vars alone, makes Ray start new workers instead of the ones it prestarted
+    # (2 fresh worker processes, ~2 s of CPU each, before the first task on 2 cores), so the job gets
+    # one only where the vLLM hook is needed: the GPU preset (vLLM 0.26 on the GPU host; the CPU build,
+    # vLLM 0.29, pre-builds its processor itself).
+    ray.init(
+        num_cpus=local_ray_cpus(hint, engines, cfg.ray_num_cpus),
+        num_gpus=gpus,
+        include_dashboard=False,
+        runtime_env=hook if hint.engine_gpus else None,
+        log_to_driver=False,
+    )
+    _SESSION.append(RaySession(address=None, started_here=True))
+    return _SESSION[0]

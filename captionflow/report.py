@@ -1,0 +1,118 @@
+"""The report of one run (markdown) and the leaderboard of every run under an output root."""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+
+from captionflow.layout import LEADERBOARD
+from captionflow.results import InferenceResult, Manifest
+from captionflow.storage import Store
+
+COMPARED = ("bleu_4", "rouge_l", "cider", "meteor", "judge_mean")
+
+
+def update_leaderboard(store: Store, ds_fp: str, run: tuple, model_source: str, metrics: dict) -> dict:
+    """Upsert this run's row; return the deltas against the previous and the best run on this dataset."""
+    row = {
+        "dataset_fingerprint": ds_fp,
+        "model_fingerprint": run[2],
+        "generation_fingerprint": run[3],
+        "model": model_source,
+        "run_dir": store.url(*run),
+        "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "n_captions": metrics["stats"]["n_captions"],
+        "failure_rate": metrics["stats"]["failure_rate"],
+        **{k: metrics["reference"].get(k) for k in ("bleu_4", "rouge_l", "cider", "meteor")},
+        "judge_mean": (metrics.get("judge") or {}).get("mean_score"),
+    }
+    old = store.read_table(store.path(LEADERBOARD)).to_pylist() if store.exists(LEADERBOARD) else []
+    key = (row["dataset_fingerprint"], row["model_fingerprint"], row["generation_fingerprint"])
+    kept = [r for r in old if (r["dataset_fingerprint"], r["model_fingerprint"], r["generation_fingerprint"]) != key]
+    store.write_table(pa.Table.from_pylist(kept + [row]), LEADERBOARD)
+    same = [r for r in kept if r["dataset_fingerprint"] == ds_fp]
+    previous = max(same, key=lambda r: r["evaluated_at"], default=None)
+    best = max((r for r in same if r.get("cider") is not None), key=lambda r: r["cider"], default=None)
+
+    def delta(other):
+        if other is None:
+            return None
+        return {
+            "model": other["model"],
+            "run_dir": other["run_dir"],
+            **{
+                k: (row[k] - other[k]) if row.get(k) is not None and other.get(k) is not None else None
+                for k in COMPARED
+            },
+        }
+
+    return {"previous": delta(previous), "best_so_far": delta(best), "runs_on_dataset": len(same) + 1}
+
+
+def render_report(
+    model_source: str, manifest: Manifest, inference: InferenceResult, metrics: dict, scores: list[dict]
+) -> str:
+    s, ref = metrics["stats"], metrics["reference"]
+    c = manifest.counts
+    lines = [
+        "# captionflow report",
+        "",
+        f"- model: `{model_source}`",
+        f"- dataset: `{manifest.source}` (`{manifest.dataset_fingerprint}`)",
+        f"- inputs: {c.listed} listed, {c.accepted} accepted, {c.quarantined} quarantined, {c.duplicates} duplicates",
+        f"- captioned: {inference.captioned}, failed: {inference.failed}",
+        "",
+        "## Headline metrics",
+        "",
+        "| metric | value |",
+        "|---|---|",
+    ]
+    for k in ("bleu_1", "bleu_4", "rouge_l", "cider", "meteor"):
+        if k in ref:
+            lines.append(f"| {k} | {ref[k]:.4f} |")
+    lines += [
+        f"| words per caption (mean) | {s['words']['mean']:.1f} |",
+        f"| truncated at max_tokens | {s['truncated_rate']:.1%} |",
+        f"| empty | {s['empty_rate']:.1%} |",
+        f"| repetition | {s['repetition_rate']:.3f} |",
+        f"| vocabulary | {s['vocabulary_size']} |",
+        f"| failure rate | {s['failure_rate']:.1%} |",
+        "",
+    ]
+    j = metrics.get("judge")
+    if j:
+        lines += [
+            "## LLM judge",
+            "",
+            f"- judge model: `{j['judge_model']}`, judged {j['judged']}, failed {j['failed']}, "
+            f"answers parsed {j['parse_rate']:.0%}",
+            f"- mean score: {j['mean_score']:.2f}" if j["mean_score"] is not None else "- mean score: n/a",
+            "- distribution: " + ", ".join(f"{k}: {v}" for k, v in j["distribution"].items()),
+            "",
+        ]
+    comp = metrics.get("comparison") or {}
+    if comp.get("previous") or comp.get("best_so_far"):
+        lines += [
+            "## Against earlier checkpoints on this dataset",
+            "",
+            "| vs | model | " + " | ".join(f"Δ {k}" for k in COMPARED) + " |",
+            "|---|---|" + "---|" * len(COMPARED),
+        ]
+        for label in ("previous", "best_so_far"):
+            d = comp.get(label)
+            if d:
+                cells = " | ".join("" if d[k] is None else f"{d[k]:+.4f}" for k in COMPARED)
+                lines.append(f"| {label.replace('_', ' ')} | `{d['model']}` | {cells} |")
+        lines.append("")
+    scored = [r for r in scores if r.get("cider") is not None]
+    if scored:
+        scored.sort(key=lambda r: r["cider"], reverse=True)
+        for title, part in (("Best captions (CIDEr)", scored[:3]), ("Worst captions (CIDEr)", scored[-3:][::-1])):
+            lines += [f"## {title}", "", "| image | caption | references | CIDEr |", "|---|---|---|---|"]
+            for r in part:
+                cap = r["caption"].replace("|", "\\|").replace("\n", " ")[:120]
+                refs = " / ".join(r["references"]).replace("|", "\\|")[:160]
+                lines.append(f"| {r['source']} | {cap} | {refs} | {r['cider']:.3f} |")
+            lines.append("")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,205 @@
+"""What each stage gives the next: typed results instead of string-keyed dicts.
+
+Prefect persists them (pickled) under the output root, keyed on content fingerprints; change a
+field here and bump the cache-key version in ``tasks/results.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from captionflow.model_source import ResolvedModel
+
+
+@dataclass(frozen=True)
+class PreflightResult:
+    """The checkpoints a run will load, resolved to local folders and fingerprinted."""
+
+    model: ResolvedModel
+    judge: Optional[ResolvedModel]
+
+
+@dataclass
+class IngestResult:
+    """The listing of a dataset: what preprocess needs, and whether its folder is already built."""
+
+    dataset_fingerprint: str
+    dataset_dir: str  # URI under the output root
+    source: str
+    kind: str  # "images" | "parquet"
+    files: list[dict]  # {"path", "name", "size", "mtime", "etag", "problem"} (+ "rows", "row_groups" for parquet)
+    n_inputs: int  # images listed, or Parquet rows
+    references: dict[str, list[str]]  # images: file name -> captions (sidecar)
+    image_column: Optional[str]
+    caption_column: Optional[str]
+    preprocess_params: dict
+    already_preprocessed: bool
+    hidden_skipped: int = 0  # hidden entries (".name"; a local hidden folder counts once) not taken as inputs
+    hidden_examples: list[str] = field(default_factory=list)  # the first few of them
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Counts:
+    listed: int
+    accepted: int
+    quarantined: int
+    duplicates: int
+
+
+@dataclass
+class Manifest:
+    """A preprocessed dataset folder (``manifest.json``, written last: a folder without it is unfinished)."""
+
+    dataset_fingerprint: str
+    schema_version: int
+    source: str
+    kind: str
+    counts: Counts
+    quarantine_reasons: dict[str, int]
+    shards: list[str]
+    params: dict
+    seconds: float
+    skipped: bool = False  # this run found it built and reused it (not written to the file)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("skipped")
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict, skipped: bool = False) -> Manifest:
+        d = {k: v for k, v in d.items() if k in cls.__dataclass_fields__ and k != "skipped"}
+        return cls(**{**d, "counts": Counts(**d["counts"])}, skipped=skipped)
+
+
+@dataclass
+class PassResult:
+    """One pass of an LLM stage over the rows still to do."""
+
+    attempt: int
+    sent: int
+    ok: int
+    failed: int
+    seconds: float
+    first_row_s: Optional[float] = None
+
+
+@dataclass
+class InferenceResult:
+    run_dir: str
+    run_parts: tuple[str, ...]
+    accepted: int
+    captioned: int
+    failed: int
+    resumed_from: int  # rows committed by an earlier run and not sent again
+    passes: list[PassResult]
+    timings_s: dict[str, float]
+
+
+@dataclass
+class JudgeResult:
+    judge_model: str
+    judge_dir: str
+    judge_parts: tuple[str, ...]
+    judged: int
+    failed: int
+    parse_rate: float
+    mean_score: Optional[float]
+    distribution: dict[str, int]
+    passes: list[PassResult]
+    seconds: float
+
+    def headline(self) -> dict:
+        """What the metrics and the report show of the judge pass."""
+        return {
+            k: getattr(self, k) for k in ("judge_model", "judged", "failed", "parse_rate", "mean_score", "distribution")
+        }
+
+
+@dataclass
+class EvalResult:
+    metrics: dict[str, Any]
+    report: str  # URI of report.md
+    seconds: float
+
+
+@dataclass
+class StageRecord:
+    """How one stage of this flow run ended: ``state`` is Prefect's ("Completed", "Cached")."""
+
+    name: str
+    state: str
+    seconds: float
+
+
+@dataclass
+class RunSummary:
+    """What ``captionflow run`` prints and ``--summary-json`` writes: one checkpoint on one dataset."""
+
+    dataset_dir: str
+    run_dir: str
+    counts: dict[str, int]
+    quarantine_reasons: dict[str, int]
+    hidden_skipped: dict[str, Any]
+    metrics: dict[str, Any]
+    timings_s: dict[str, float]
+    cached_stages: list[str]
+    preprocess_skipped: bool
+    resumed_from: int
+    passes: list[dict]
+    report: str
+
+    @classmethod
+    def build(
+        cls,
+        ing: IngestResult,
+        manifest: Manifest,
+        inference: InferenceResult,
+        evaluation: EvalResult,
+        stages: list[StageRecord],
+        total_s: float,
+    ) -> RunSummary:
+        cached = [s.name for s in stages if s.state == "Cached"]
+        timings = {f"{s.name}_s": round(s.seconds, 2) for s in stages if s.name != "preflight"}
+        if "inference" not in cached:
+            timings.update({f"inference.{k}": v for k, v in inference.timings_s.items()})
+        timings["total_s"] = round(total_s, 2)
+        c = manifest.counts
+        return cls(
+            dataset_dir=ing.dataset_dir,
+            run_dir=inference.run_dir,
+            counts={
+                "total": c.listed,
+                "accepted": c.accepted,
+                "quarantined": c.quarantined,
+                "duplicates": c.duplicates,
+                "captioned": inference.captioned,
+                "failed": inference.failed,
+            },
+            quarantine_reasons=dict(manifest.quarantine_reasons),
+            hidden_skipped={"count": ing.hidden_skipped, "examples": ing.hidden_examples},
+            metrics=evaluation.metrics,
+            timings_s=timings,
+            cached_stages=cached,
+            preprocess_skipped=manifest.skipped or "preprocess" in cached,
+            resumed_from=inference.resumed_from,
+            passes=[
+                {
+                    "attempt": p.attempt,
+                    "sent": p.sent,
+                    "captioned": p.ok,
+                    "failed": p.failed,
+                    "seconds": p.seconds,
+                    "first_row_s": p.first_row_s,
+                }
+                for p in inference.passes
+            ],
+            report=evaluation.report,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)

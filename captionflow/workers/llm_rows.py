@@ -1,0 +1,165 @@
+"""The row-level functions of the Ray Data LLM passes (captioning and judging), run in Ray workers.
+
+A Ray worker imports the module of each function it runs: this one needs only pyarrow, Pillow and the
+standard library, not Prefect (2.7 s of CPU per worker process on 2 cores) - on a GPU host the
+postprocess tasks start worker processes while the engines' front ends need the CPU.
+
+Request builders also *remove* the preprocessed image bytes from the row: Ray Data LLM carries every
+input column through every stage (``wrap_preprocess`` keeps the row it is given), and the image is only
+needed once, to build the ``data:`` URL.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from captionflow.workers.images import data_url
+
+CAPTION_SCHEMA = pa.schema(
+    [
+        ("image_id", pa.string()),
+        ("caption", pa.string()),
+        ("finish_reason", pa.string()),  # "stop" | "length"
+        ("num_input_tokens", pa.int64()),
+        ("num_output_tokens", pa.int64()),
+        ("model_fingerprint", pa.string()),
+        ("error", pa.string()),
+        ("attempt", pa.int64()),
+    ]
+)
+
+JUDGE_REGEX = r'\{"score": [1-5], "reason": "[A-Za-z0-9 ,.;:()-]{0,80}"\}'
+JUDGE_MAX_TOKENS = 160  # >= the longest match even at one character per token
+JUDGE_SYSTEM = "You are a strict judge of image captions. You answer only in JSON."
+JUDGE_SCHEMA = pa.schema(
+    [
+        ("image_id", pa.string()),
+        ("score", pa.int64()),
+        ("reason", pa.string()),
+        ("raw", pa.string()),
+        ("error", pa.string()),
+        ("attempt", pa.int64()),
+    ]
+)
+
+
+def image_messages(system_prompt: str, image: bytes, text: str) -> list[dict]:
+    """OpenAI-style chat messages: a system prompt, then one image (as a data: URL) and a text."""
+    return [
+        {"role": "system", "content": system_prompt},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_url(image)}},
+                {"type": "text", "text": text},
+            ],
+        },
+    ]
+
+
+def keep_pending(batch: pa.Table, *, pending: pa.Array) -> pa.Table:
+    """The rows of ``batch`` whose image_id is in ``pending``."""
+    return batch.filter(pc.is_in(batch["image_id"], value_set=pending))
+
+
+# ---------------------------------------------------------------- captioning
+def caption_request(row: dict, *, system_prompt: str, prompt: str, sampling: dict, fail_ids: frozenset) -> dict:
+    """Preprocess: one captioning request. ``fail_ids``: rows sent with invalid sampling parameters
+    (temperature -1, which vLLM rejects), for the tests of per-row failures."""
+    params = dict(sampling)
+    if row["image_id"] in fail_ids:
+        params["temperature"] = -1.0
+    return {
+        "image_id": row["image_id"],
+        "messages": image_messages(system_prompt, row.pop("image"), prompt),
+        "sampling_params": params,
+    }
+
+
+def to_caption(row: dict, *, max_tokens: int, model_fp: str, attempt: int) -> dict:
+    """Postprocess: the engine's answer as a caption row."""
+    n_out = int(row.get("num_generated_tokens") or 0)
+    return {
+        "image_id": row["image_id"],
+        "caption": row.get("generated_text") or "",
+        "finish_reason": "length" if n_out >= max_tokens else "stop",
+        "num_input_tokens": int(row.get("num_input_tokens") or 0),
+        "num_output_tokens": n_out,
+        "model_fingerprint": model_fp,
+        "error": "",
+        "attempt": attempt,
+    }
+
+
+def caption_fixed_schema(row: dict, *, model_fp: str, attempt: int) -> dict:
+    """Error rows bypass the processor's postprocess: give every row the same columns."""
+    err = row.get("__inference_error__") or ""
+    if err:
+        return {
+            "image_id": row["image_id"],
+            "caption": "",
+            "finish_reason": "error",
+            "num_input_tokens": 0,
+            "num_output_tokens": 0,
+            "model_fingerprint": model_fp,
+            "error": str(err)[:2000],
+            "attempt": attempt,
+        }
+    return {k: row[k] for k in CAPTION_SCHEMA.names}
+
+
+# ---------------------------------------------------------------- judging
+def judge_prompt(caption: str, references: list[str]) -> str:
+    refs = "".join(f"\n- {r}" for r in references)
+    return (
+        f"Caption to judge: {caption!r}\n"
+        + (f"Reference captions written by people:{refs}\n" if references else "")
+        + "Rate how accurately the caption describes the image, from 1 (wrong) to 5 (perfect). "
+        'Answer as {"score": <1-5>, "reason": "<short reason>"}.'
+    )
+
+
+def judge_request(row: dict, *, captions: dict, sampling: dict) -> dict:
+    """Preprocess: one judging request (the image, the caption, the references)."""
+    text = judge_prompt(captions[row["image_id"]], list(row.get("references") or []))
+    return {
+        "image_id": row["image_id"],
+        "messages": image_messages(JUDGE_SYSTEM, row.pop("image"), text),
+        "sampling_params": sampling,
+    }
+
+
+def parse_judgement(text: str) -> tuple[int, str]:
+    obj = json.loads(text)
+    score = int(obj["score"])
+    if not 1 <= score <= 5:
+        raise ValueError(f"score {score} out of range")
+    return score, str(obj.get("reason", ""))
+
+
+def judge_out(row: dict, *, attempt: int) -> dict:
+    """Postprocess: the judge's answer parsed (or the reason it does not parse)."""
+    raw = row.get("generated_text") or ""
+    try:
+        score, reason = parse_judgement(raw)
+        err = ""
+    except (ValueError, KeyError, TypeError) as e:
+        score, reason, err = None, "", f"unparseable judge answer ({e}): {raw[:200]!r}"
+    return {"image_id": row["image_id"], "score": score, "reason": reason, "raw": raw, "error": err, "attempt": attempt}
+
+
+def judge_fixed_schema(row: dict, *, attempt: int) -> dict:
+    err = row.get("__inference_error__") or ""
+    if err:
+        return {
+            "image_id": row["image_id"],
+            "score": None,
+            "reason": "",
+            "raw": "",
+            "error": str(err)[:2000],
+            "attempt": attempt,
+        }
+    return {k: row[k] for k in JUDGE_SCHEMA.names}

@@ -1,0 +1,242 @@
+"""The ``captionflow`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import typing
+
+from captionflow.config import RunConfig, load_config
+
+
+def _add_config_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One option per RunConfig field (--max-tokens, ...), help text from the field's description."""
+    for name, field in RunConfig.model_fields.items():
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        help_ = (field.title or name) + (f": {field.description}" if field.description else "")
+        help_ = help_.replace("%", "%%")  # argparse formats help with %: "90% of the GPU" broke --help
+        ann = field.annotation
+        args = typing.get_args(ann)
+        base = next((a for a in args if a is not type(None)), ann) if args else ann
+        if base is bool:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif typing.get_origin(base) is typing.Literal:
+            p.add_argument(flag, dest=name, choices=typing.get_args(base), default=None, help=help_)
+        elif name == "engine_kwargs":
+            p.add_argument(flag, dest=name, type=json.loads, default=None, help=help_ + " (JSON object)")
+        else:
+            p.add_argument(
+                flag,
+                dest=name,
+                type=base if base in (int, float) else str,
+                default=None,
+                help=f"{help_} (default: {field.default!r})" if field.default is not None else help_,
+            )
+
+
+def _summary_text(s: dict) -> str:
+    c, m, t = s["counts"], s["metrics"], s["timings_s"]
+    ref = m.get("reference") or {}
+    lines = [
+        "captionflow run finished",
+        f"  dataset   {s['dataset_dir']}" + ("  (preprocessed earlier: reused)" if s.get("preprocess_skipped") else ""),
+        f"  run       {s['run_dir']}",
+        f"  images    {c['total']} listed: {c['accepted']} accepted, {c['quarantined']} quarantined, "
+        f"{c['duplicates']} duplicates",
+        *(
+            [
+                f"  hidden    {h['count']} hidden entr{'y' if h['count'] == 1 else 'ies'} not taken as inputs "
+                "(names starting with '.'): "
+                + ", ".join(h["examples"])
+                + (", ..." if h["count"] > len(h["examples"]) else "")
+            ]
+            if (h := s.get("hidden_skipped") or {}).get("count")
+            else []
+        ),
+        *(
+            [
+                "  reasons   "
+                + ", ".join(f"{k} {v}" for k, v in sorted(s["quarantine_reasons"].items()))
+                + f"  ({s['dataset_dir']}/quarantine.parquet)"
+            ]
+            if s.get("quarantine_reasons")
+            else []
+        ),
+        f"  captions  {c['captioned']} captioned, {c['failed']} failed"
+        + (f" ({s['resumed_from']} from an earlier run)" if s.get("resumed_from") else ""),
+        "  metrics   "
+        + ", ".join(
+            [f"{k} {ref[k]:.4f}" for k in ("bleu_4", "rouge_l", "cider") if k in ref]
+            + [f"mean words {m['stats']['words']['mean']:.1f}"]
+        ),
+        "  time      " + ", ".join(f"{k} {v}s" for k, v in t.items()),
+        f"  report    {s['report']}",
+    ]
+    return "\n".join(lines)
+
+
+class _UserError(Exception):
+    """Bad input from the user: printed as one line, exit status 2."""
+
+
+def _config(args: argparse.Namespace) -> RunConfig:
+    overrides = {k: getattr(args, k, None) for k in RunConfig.model_fields}
+    try:
+        return load_config(args.config, **overrides)
+    except (ValueError, OSError) as e:
+        raise _UserError(f"invalid parameters: {e}") from None
+
+
+def _flow_call(fn, **kwargs):
+    """Run a flow; bad model or dataset parameters become a _UserError."""
+    from captionflow.errors import DatasetError, ModelError
+
+    try:
+        return fn(**kwargs)
+    except (ModelError, DatasetError) as e:
+        raise _UserError(str(e)) from None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from flows.caption_flow import caption_flow
+
+    summary = _flow_call(caption_flow, config=_config(args))
+    print(_summary_text(summary))
+    if args.summary_json:
+        with open(args.summary_json, "w", encoding="utf-8") as fh:
+            json.dump(summary, fh, indent=2, sort_keys=True, default=str)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from flows.compare_flow import compare_checkpoints
+
+    result = _flow_call(compare_checkpoints, config=_config(args), models=args.models)
+    keys = ("bleu_4", "rouge_l", "cider", "meteor", "judge_mean")
+    print(f"{'model':40}" + "".join(f"{k:>12}" for k in keys))
+    for row in result["leaderboard"]:
+        print(
+            f"{row['model'][-40:]:40}"
+            + "".join(f"{row[k]:>12.4f}" if row.get(k) is not None else f"{'':>12}" for k in keys)
+        )
+    if args.summary_json:
+        with open(args.summary_json, "w", encoding="utf-8") as fh:
+            json.dump(result, fh, indent=2, sort_keys=True, default=str)
+    return 0
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from deployments.deploy import deploy
+
+    ids = deploy(_config(args), work_pool=args.work_pool, cron=args.cron, pool_type=args.pool_type, image=args.image)
+    for name, dep_id in ids.items():
+        print(f"deployment captionflow/{name}: {dep_id}")
+    print(f"start a worker: prefect worker start --pool {args.work_pool}")
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    import time
+
+    from deployments.watcher import watch_once
+
+    while True:
+        for uri in watch_once(args.prefix, args.state):
+            print(f"announced {uri}")
+        if not args.every:
+            return 0
+        time.sleep(args.every)
+
+
+def cmd_build_model(args: argparse.Namespace) -> int:
+    from captionflow.builtin.model import build_builtin_model, ensure_builtin_model
+
+    if args.arch:
+        from captionflow.builtin.standin import build_standin
+
+        if not args.dir:
+            print("captionflow: --arch needs DIR", file=sys.stderr)
+            return 2
+        print(build_standin(args.arch, args.dir))
+        return 0
+    if args.seed and not args.dir:
+        print("captionflow: --seed needs DIR (the cache holds the seed-0 built-in model)", file=sys.stderr)
+        return 2
+    print(build_builtin_model(args.dir, seed=args.seed) if args.dir else ensure_builtin_model())
+    return 0
+
+
+def cmd_demo_data(args: argparse.Namespace) -> int:
+    from captionflow.builtin.demo_data import build_demo_dataset, ensure_demo_dataset
+
+    print(build_demo_dataset(args.dir) if args.dir else ensure_demo_dataset())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    # No network at run time: the temporary Prefect server's telemetry would try (and log an ERROR).
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # The temporary server Prefect starts without PREFECT_API_URL has 20 s to come up by default: not
+    # always enough on a busy 2-core machine.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    parser = argparse.ArgumentParser(
+        prog="captionflow", description="Batch image captioning and VLM checkpoint evaluation."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the flow: ingest, preprocess, inference, evaluate")
+    run.add_argument("--config", help="YAML file of parameters (command-line options win)")
+    run.add_argument("--summary-json", help="also write the run summary as JSON here")
+    _add_config_options(run)
+    run.set_defaults(func=cmd_run)
+    cmp_ = sub.add_parser("compare", help="evaluate several checkpoints on one dataset and print the leaderboard")
+    cmp_.add_argument("models", nargs="+", help="checkpoints, in training order (each as the model parameter)")
+    cmp_.add_argument("--config", help="YAML file of parameters (command-line options win)")
+    cmp_.add_argument("--summary-json", help="also write the per-checkpoint summaries as JSON here")
+    _add_config_options(cmp_, skip=("model",))
+    cmp_.set_defaults(func=cmd_compare)
+    dep = sub.add_parser("deploy", help="create the Prefect deployments (nightly golden run, checkpoint trigger)")
+    dep.add_argument("--config", help="YAML file of parameters: the deployments' default run config")
+    dep.add_argument("--work-pool", default="captionflow", help="work pool (created if missing)")
+    dep.add_argument("--pool-type", default="process", choices=["process", "kubernetes", "docker"])
+    dep.add_argument("--cron", default="0 2 * * *", help="schedule of the golden-nightly deployment (UTC)")
+    dep.add_argument("--image", help="container image with captionflow installed (kubernetes/docker pools)")
+    _add_config_options(dep)
+    dep.set_defaults(func=cmd_deploy)
+    w = sub.add_parser("watch", help="announce new checkpoints under a storage prefix as Prefect events")
+    w.add_argument("prefix", help="local folder or s3:// prefix holding checkpoint folders")
+    w.add_argument(
+        "--state", help="where to remember announced checkpoints (default: PREFIX/.captionflow-announced.json)"
+    )
+    w.add_argument("--every", type=float, default=0, help="poll every N seconds (default: once)")
+    w.set_defaults(func=cmd_watch)
+    bm = sub.add_parser(
+        "build-model",
+        help="build the built-in tiny model (into the cache, or DIR), or a "
+        "full-size architecture stand-in without weights (--arch)",
+    )
+    bm.add_argument("dir", nargs="?")
+    bm.add_argument("--seed", type=int, default=0, help="other random weights: a stand-in for another checkpoint")
+    bm.add_argument(
+        "--arch",
+        choices=["qwen2.5-vl-3b", "qwen2-vl-2b"],
+        help="write a full-size config/tokenizer/processor of this architecture, no weights "
+        '(run it with --engine-kwargs \'{"load_format": "dummy"}\')',
+    )
+    bm.set_defaults(func=cmd_build_model)
+    dd = sub.add_parser("demo-data", help="assemble the demo dataset (into the cache, or DIR)")
+    dd.add_argument("dir", nargs="?")
+    dd.set_defaults(func=cmd_demo_data)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except _UserError as e:
+        print(f"captionflow: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

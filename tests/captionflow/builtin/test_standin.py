@@ -1,0 +1,64 @@
+"""Full-size architecture stand-ins (benchmarks without weights) and the GPU engine sizing."""
+
+import json
+
+import pytest
+
+from captionflow.builtin.standin import QWEN_IDS, QWEN_REGULAR_TOKENS, build_standin
+from captionflow.model_source import ModelError, resolve_model
+from captionflow.pipeline.presets import CPU, GPU, engines_per_gpu, model_weight_bytes
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory):
+    return build_standin("qwen2.5-vl-3b", tmp_path_factory.mktemp("m") / "qwen2.5-vl-3b")
+
+
+def test_standin_has_the_real_architecture_and_vocabulary(standin):
+    from PIL import Image
+    from transformers import AutoConfig, AutoProcessor
+
+    cfg = AutoConfig.from_pretrained(standin)
+    assert (cfg.text_config.hidden_size, cfg.text_config.num_hidden_layers, cfg.text_config.vocab_size) == (
+        2048,
+        36,
+        151936,
+    )
+    assert cfg.vision_config.depth == 32 and cfg.image_token_id == QWEN_IDS["<|image_pad|>"] == 151655
+    meta = json.loads((standin / "captionflow_model.json").read_text())
+    assert 3.7e9 < meta["parameters"] < 3.8e9  # Qwen2.5-VL-3B-Instruct has 3.75 B parameters
+
+    proc = AutoProcessor.from_pretrained(standin)
+    assert len(proc.tokenizer) == QWEN_REGULAR_TOKENS + len(QWEN_IDS)
+    text = "Describe this image in one sentence."
+    assert proc.tokenizer.decode(proc.tokenizer(text)["input_ids"]) == text
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+    prompt = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    out = proc(
+        text=[prompt],
+        images=[Image.new("RGB", (640, 480))],
+        return_tensors="pt",
+        size={"longest_edge": 448 * 448, "shortest_edge": 3136},
+    )
+    grid = out["image_grid_thw"][0].tolist()
+    n_image_tokens = int((out["input_ids"][0] == cfg.image_token_id).sum())
+    assert n_image_tokens == grid[0] * grid[1] * grid[2] // 4 and n_image_tokens <= 448 * 448 // 28**2
+
+
+def test_weightless_folder_needs_dummy_load_format(standin):
+    with pytest.raises(ModelError, match="no weight files"):
+        resolve_model(str(standin))
+    assert resolve_model(str(standin), dummy_weights=True).architecture == "Qwen2_5_VLForConditionalGeneration"
+
+
+def test_engines_per_gpu_follows_weights_and_memory(standin):
+    gib = 2**30
+    weights = model_weight_bytes(str(standin))
+    assert weights == json.loads((standin / "captionflow_model.json").read_text())["parameters"] * 2
+    assert engines_per_gpu(GPU, weights, 80 * gib) == 4  # 3B on an 80 GB GPU
+    assert engines_per_gpu(GPU, 15 * gib, 80 * gib) == 3  # a 7B
+    assert engines_per_gpu(GPU, 60 * gib, 80 * gib) == 1
+    assert engines_per_gpu(GPU, weights, 80 * gib, tensor_parallel_size=2) == 1
+    assert engines_per_gpu(GPU, weights, 80 * gib, override=2) == 2
+    assert engines_per_gpu(CPU, weights, 80 * gib) == 1
+    assert engines_per_gpu(GPU, None, 80 * gib) == 1  # unknown size: the safe layout

@@ -1,0 +1,92 @@
+"""The commit ledger and the pass loop, with a stand-in for the Ray dataset (only ``iter_rows`` is used)."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+
+from captionflow.layout import CAPTIONS, FAILURES
+from captionflow.pipeline.ledger import Ledger, run_passes
+from captionflow.storage import Store
+from captionflow.workers.llm_rows import CAPTION_SCHEMA
+
+
+class Rows:
+    """What the ledger needs of a Ray dataset: its rows, in the order they finish."""
+
+    def __init__(self, rows: list[dict]):
+        self.rows = rows
+
+    def iter_rows(self):
+        yield from self.rows
+
+
+def _row(image_id: str, attempt: int, error: str = "") -> dict:
+    return {
+        "image_id": image_id,
+        "caption": "" if error else f"caption of {image_id}",
+        "finish_reason": "stop",
+        "num_input_tokens": 3,
+        "num_output_tokens": 2,
+        "model_fingerprint": "m",
+        "error": error,
+        "attempt": attempt,
+    }
+
+
+def test_rows_are_committed_in_bounded_shards_and_failures_apart(tmp_path):
+    store = Store(str(tmp_path))
+    ledger = Ledger(store, ("run",), CAPTIONS, CAPTION_SCHEMA, commit_rows=3)
+    done: set[str] = set()
+    commits = []
+    rows = [_row(f"id{i}", 0) for i in range(7)] + [_row("bad", 0, "engine said no")]
+    n_ok, n_failed, first = ledger.drain(Rows(rows), done, on_commit=lambda n, rate: commits.append(n))
+    assert (n_ok, n_failed) == (7, 1) and first is not None
+    assert done == {f"id{i}" for i in range(7)}
+    shards = store.ls("run", CAPTIONS, suffix=".parquet")
+    assert [pq.read_metadata(store.path("run", CAPTIONS, s.rsplit("/", 1)[-1])).num_rows for s in shards] == [3, 3, 1]
+    assert commits == [3, 6, 7]
+    assert ledger.committed() == done
+    failed = store.read_tables(store.ls("run", FAILURES, suffix=".parquet")).to_pylist()
+    assert [(r["image_id"], r["error"]) for r in failed] == [("bad", "engine said no")]
+    assert not list(tmp_path.rglob(".*tmp*"))  # every shard was committed atomically
+
+
+def test_failed_rows_are_retried_in_later_passes_never_counted_done(tmp_path):
+    store = Store(str(tmp_path))
+    ledger = Ledger(store, ("run",), CAPTIONS, CAPTION_SCHEMA, commit_rows=2)
+    todo = {"a", "b", "c", "d"}
+    done = {"a"}  # committed by an earlier run
+    sent = []
+
+    def rows_for(attempt, pending):
+        sent.append(list(pending))
+        return Rows([_row(i, attempt, "flaky" if attempt == 0 and i == "c" else "") for i in pending])
+
+    progress = []
+    passes = run_passes(
+        ledger,
+        todo,
+        done,
+        row_retries=2,
+        rows_for=rows_for,
+        progress=lambda d, total, rate: progress.append((d, total)),
+    )
+    assert sent == [["b", "c", "d"], ["c"]]  # never "a"; the third pass is not needed
+    assert [(p.attempt, p.sent, p.ok, p.failed) for p in passes] == [(0, 3, 2, 1), (1, 1, 1, 0)]
+    assert done == todo
+    assert progress[-1] == (4, 4) and all(total == 4 for _, total in progress)
+    ids = store.read_tables(store.ls("run", CAPTIONS, suffix=".parquet")).column("image_id").to_pylist()
+    assert sorted(ids) == ["b", "c", "d"]  # each once
+
+
+def test_rows_failing_every_pass_stay_pending(tmp_path):
+    ledger = Ledger(Store(str(tmp_path)), ("run",), CAPTIONS, CAPTION_SCHEMA, commit_rows=8)
+    done: set[str] = set()
+    passes = run_passes(
+        ledger,
+        {"x", "y"},
+        done,
+        row_retries=1,
+        rows_for=lambda attempt, pending: Rows([_row(i, attempt, "no" if i == "y" else "") for i in pending]),
+    )
+    assert [p.sent for p in passes] == [2, 1] and done == {"x"}

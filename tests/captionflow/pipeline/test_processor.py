@@ -1,0 +1,39 @@
+"""The Ray Data LLM processor built from EngineSettings (built, not run: no engine starts here)."""
+
+from __future__ import annotations
+
+import functools
+
+from captionflow.config import RunConfig
+from captionflow.model_source import resolve_model
+from captionflow.pipeline.engine import resolve_engine
+from captionflow.pipeline.presets import CPU
+from captionflow.pipeline.processor import build_vlm_processor
+from captionflow.pipeline.session import WORKER_ENV, ray_session
+from captionflow.workers.llm_rows import caption_request, to_caption
+
+
+def test_processor_stages_carry_the_resolved_settings(builtin_model_dir):
+    cfg = RunConfig(device="cpu", batch_size=4, max_concurrent_batches=3, engine_kwargs={"seed": 7})
+    ray_session(cfg)  # building a processor needs Ray (it would start a default one otherwise)
+    model = resolve_model("builtin")
+    engine = resolve_engine(cfg, model, CPU)
+    processor = build_vlm_processor(
+        engine,
+        model.path,
+        preprocess=functools.partial(caption_request, system_prompt="s", prompt="p", sampling={}, fail_ids=frozenset()),
+        postprocess=functools.partial(to_caption, max_tokens=4, model_fp="m", attempt=0),
+    )
+    stages = {type(s).__name__: s for s in processor.stages.values()}
+    # CPU preset: tokenising happens in the engine, so no Tokenize/Detokenize actors
+    assert list(stages) == ["PrepareMultimodalStage", "ChatTemplateStage", "vLLMEngineStage"]
+    llm = stages["vLLMEngineStage"]
+    passed = llm.fn_constructor_kwargs["engine_kwargs"]
+    assert {k: passed[k] for k in engine.engine_kwargs} == engine.engine_kwargs  # (Ray adds its executor backend)
+    assert llm.fn_constructor_kwargs["engine_kwargs"]["seed"] == 7  # the run's engine_kwargs reach vLLM
+    assert llm.fn_constructor_kwargs["should_continue_on_error"] is True  # a bad row fails alone
+    assert llm.fn_constructor_kwargs["batch_size"] == 4 and llm.map_batches_kwargs["max_concurrency"] == 3
+    assert llm.map_batches_kwargs["num_cpus"] == CPU.engine_cpus
+    for name in ("PrepareMultimodalStage", "ChatTemplateStage"):  # each declares its share: no deadlock on 2 cores
+        assert stages[name].map_batches_kwargs["num_cpus"] == CPU.cpu_stage_cpus
+        assert stages[name].map_batches_kwargs["runtime_env"]["env_vars"] == WORKER_ENV

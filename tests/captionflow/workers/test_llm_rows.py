@@ -1,0 +1,92 @@
+"""The row functions Ray workers run: light to import, and no image bytes carried past the request."""
+
+import base64
+import io
+import subprocess
+import sys
+
+from PIL import Image
+
+from captionflow.workers.llm_rows import (
+    CAPTION_SCHEMA,
+    JUDGE_SCHEMA,
+    caption_fixed_schema,
+    caption_request,
+    judge_fixed_schema,
+    judge_out,
+    judge_request,
+    to_caption,
+)
+
+
+def _jpeg() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 6), (200, 10, 10)).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def test_worker_modules_do_not_import_prefect():
+    # A Ray worker imports the module of every function it runs: these must stay free of Prefect.
+    code = (
+        "import sys, captionflow.workers.llm_rows, captionflow.workers.decode; "
+        "print(sorted(m for m in ('prefect', 'ray', 'vllm', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_inference_and_judge_hand_ray_the_light_functions():
+    import captionflow.pipeline.inference as inference
+    import captionflow.pipeline.judge as judge
+    import captionflow.pipeline.processor as processor
+
+    assert inference.caption_request.__module__ == "captionflow.workers.llm_rows"
+    assert processor.keep_pending.__module__ == "captionflow.workers.llm_rows"
+    assert judge.judge_request.__module__ == "captionflow.workers.llm_rows"
+
+
+def test_caption_request_moves_the_image_into_the_message():
+    jpeg = _jpeg()
+    row = {"image_id": "abc", "image": jpeg}
+    req = caption_request(
+        row, system_prompt="sys", prompt="Describe.", sampling={"max_tokens": 4}, fail_ids=frozenset()
+    )
+    assert "image" not in row  # Ray Data LLM carries the row through every stage: the bytes leave it here
+    url = req["messages"][1]["content"][0]["image_url"]["url"]
+    assert url.startswith("data:image/jpeg;base64,") and base64.b64decode(url.split(",", 1)[1]) == jpeg
+    assert req["sampling_params"] == {"max_tokens": 4}
+    failing = caption_request(
+        {"image_id": "abc", "image": jpeg},
+        system_prompt="s",
+        prompt="p",
+        sampling={"temperature": 0.0},
+        fail_ids=frozenset({"abc"}),
+    )
+    assert failing["sampling_params"]["temperature"] == -1.0
+
+
+def test_judge_request_drops_the_image_and_quotes_caption_and_references():
+    row = {"image_id": "x", "image": _jpeg(), "references": ["a red square"]}
+    req = judge_request(row, captions={"x": "a red box"}, sampling={"max_tokens": 8})
+    assert "image" not in row
+    text = req["messages"][1]["content"][1]["text"]
+    assert "'a red box'" in text and "- a red square" in text
+
+
+def test_output_rows_have_the_fixed_schemas():
+    ok = to_caption(
+        {"image_id": "a", "generated_text": "hi", "num_generated_tokens": 4, "num_input_tokens": 9},
+        max_tokens=4,
+        model_fp="m",
+        attempt=0,
+    )
+    assert ok["finish_reason"] == "length" and set(caption_fixed_schema(ok, model_fp="m", attempt=0)) == set(
+        CAPTION_SCHEMA.names
+    )
+    err = caption_fixed_schema({"image_id": "a", "__inference_error__": "boom"}, model_fp="m", attempt=1)
+    assert err["finish_reason"] == "error" and err["error"] == "boom" and set(err) == set(CAPTION_SCHEMA.names)
+    judged = judge_out({"image_id": "a", "generated_text": '{"score": 4, "reason": "ok"}'}, attempt=0)
+    assert (judged["score"], judged["error"]) == (4, "")
+    bad = judge_out({"image_id": "a", "generated_text": "nope"}, attempt=0)
+    assert bad["score"] is None and bad["error"].startswith("unparseable")
+    assert set(judge_fixed_schema({"image_id": "a", "__inference_error__": "x"}, attempt=0)) == set(JUDGE_SCHEMA.names)

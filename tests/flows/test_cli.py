@@ -1,0 +1,45 @@
+"""The command line: every command prints its help, bad input is one line and exit status 2, before Ray starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from captionflow.config import RunConfig
+
+
+def test_every_command_prints_its_help(capsys):
+    from flows.cli import main
+
+    helps = {}
+    for command in ([], ["run"], ["compare"], ["deploy"], ["watch"], ["build-model"], ["demo-data"]):
+        with pytest.raises(SystemExit) as done:
+            main([*command, "--help"])
+        assert done.value.code == 0, command
+        out = helps[" ".join(command)] = capsys.readouterr().out
+        assert out.startswith("usage: captionflow"), (command, out[:200])
+    missing = [n for n in RunConfig.model_fields if "--" + n.replace("_", "-") not in helps["run"]]
+    assert not missing, f"`captionflow run --help` lacks {missing}"
+
+
+def test_cli_reports_bad_model_and_dataset(prefect_api, tmp_path, capsys):
+    import ray
+
+    from flows.cli import main
+
+    ray_was_up = ray.is_initialized()  # an earlier test in this process may have started it
+    assert main(["run", "--output", str(tmp_path / "o"), "--model", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["run", "--output", str(tmp_path / "o"), "--dataset", str(tmp_path / "no-such-folder")]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-folder" in err and "does not exist" in err
+    assert ray.is_initialized() == ray_was_up  # rejected before Ray was started
+    assert not (tmp_path / "o" / "runs").exists()
+
+
+def test_cli_rejects_unknown_config_keys(tmp_path, capsys):
+    from flows.cli import main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("modle: builtin\n")
+    assert main(["run", "--config", str(cfg)]) == 2
+    assert "modle" in capsys.readouterr().err

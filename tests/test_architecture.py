@@ -1,0 +1,114 @@
+"""The floor plan holds: the library imports nothing above it, the import graph has no cycle (imports inside
+functions included), and the code that runs in Ray workers imports neither Prefect nor Ray."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("captionflow", "flows", "tasks", "deployments")
+ABOVE_THE_LIBRARY = ("flows", "tasks", "deployments")
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            mods[".".join(parts)] = path
+    return mods
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Project modules imported anywhere in the file (top level or inside functions)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name.split(".")[0] in PACKAGES:
+                found.add(name)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: _imports(p, modules) - {m} for m, p in modules.items()}
+
+
+def test_the_library_imports_nothing_above_it():
+    bad = {
+        m: sorted(i for i in deps if i.split(".")[0] in ABOVE_THE_LIBRARY)
+        for m, deps in _graph().items()
+        if m.split(".")[0] == "captionflow"
+    }
+    assert not {m: d for m, d in bad.items() if d}
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                return stack[stack.index(d) :] + [d]
+            if d not in state and (cycle := visit(d)):
+                return cycle
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            cycle = visit(m)
+            assert cycle is None, " -> ".join(cycle)
+
+
+def test_worker_code_imports_neither_prefect_nor_ray():
+    workers = [m for m in _modules() if m.startswith("captionflow.workers")]
+    assert {"captionflow.workers.images", "captionflow.workers.decode", "captionflow.workers.llm_rows"} <= set(workers)
+    for m in workers:  # statically, imports inside functions included
+        for node in ast.walk(ast.parse(_modules()[m].read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                assert not [n for n in names if n.split(".")[0] in ("prefect", "ray", "vllm", "torch")], (m, names)
+    # and at run time: importing them pulls in none of the heavy stacks
+    code = (
+        "import sys, " + ", ".join(workers) + "; "
+        "print(sorted(m for m in ('prefect', 'ray', 'vllm', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert out.strip() == "[]"
+
+
+def test_each_stage_has_a_task_named_after_it():
+    for stage in ("preflight", "ingest", "preprocess", "inference", "judge", "evaluate"):
+        tree = ast.parse((ROOT / "tasks" / f"{stage}.py").read_text(encoding="utf-8"))
+        names = [
+            kw.value.value
+            for fn in ast.walk(tree)
+            if isinstance(fn, ast.FunctionDef)
+            for dec in fn.decorator_list
+            if isinstance(dec, ast.Call) and getattr(dec.func, "id", "") == "task"
+            for kw in dec.keywords
+            if kw.arg == "name"
+        ]
+        assert names == [stage], (stage, names)
+    flow = (ROOT / "flows" / "caption_flow.py").read_text(encoding="utf-8")
+    body = flow[flow.index("def caption_flow(") :]
+    order = [body.index(f"{s}_task(") for s in ("preflight", "ingest", "preprocess", "inference", "judge", "evaluate")]
+    assert order == sorted(order)
