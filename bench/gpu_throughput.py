@@ -422,7 +422,7 @@ def phase_stage(a: argparse.Namespace) -> dict:
     ray.data.Dataset.iter_rows = recording_iter_rows
     t_start = time.time()
     try:
-        res = run_inference(cfg, manifest, model)
+        res = run_inference(cfg, manifest, model, engine)
     except RowsFailed as e:
         res = e.result
     Path(a.work, "phase-stage-datastats.log").write_text("\n\n".join(d.stats() for d in consumed))
@@ -437,7 +437,7 @@ def phase_stage(a: argparse.Namespace) -> dict:
             "engines": engine.concurrency,
             "engines_per_gpu": engine.engines_per_gpu,
             "engine_kwargs": engine.engine_kwargs,
-            "cuda_mps": bool(engine.env),
+            "cuda_mps": engine.mps,
         }
     )
     return r

@@ -70,13 +70,17 @@ def raw_vllm(cfg, model_path: str, rows: list[dict], preset) -> dict:
 def stage(cfg, manifest, model) -> dict:
     """captionflow's inference stage (Ray Data LLM), timed from shard commit times."""
     from captionflow.errors import RowsFailed
+    from captionflow.pipeline.engine import resolve_engine
     from captionflow.pipeline.inference import run_inference
+    from captionflow.pipeline.presets import PRESETS
     from captionflow.storage import Store
+
+    engine = resolve_engine(cfg, model, PRESETS[cfg.device])
 
     t0 = time.perf_counter()
     wall0 = time.time_ns()
     try:
-        res = run_inference(cfg, manifest, model)
+        res = run_inference(cfg, manifest, model, engine)
     except RowsFailed as e:
         res = e.result
     total = time.perf_counter() - t0

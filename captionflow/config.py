@@ -160,6 +160,41 @@ class RunConfig(BaseModel):
         title="Rows per committed caption shard",
         description="Inference commits captions in shards of at most this many rows: a killed run loses at most these.",
     )
+    max_failure_rate: float = Field(
+        0.25,
+        ge=0.0,
+        le=1.0,
+        title="Failed rows a run may have and still count",
+        description="A run whose share of rows that failed every pass is above this fails and is not put on the "
+        "leaderboard (the captions it did commit are kept; the next run retries the rest).",
+    )
+    allow_external_paths: bool = Field(
+        False,
+        title="Let Parquet path rows name files outside the dataset",
+        description="A Parquet row that gives an image path, not bytes, may only name a file under the dataset's own "
+        "folder on the same store; with this, any path or URL the row names is read.",
+    )
+    lease_wait_s: int = Field(
+        3600,
+        ge=0,
+        title="Seconds to wait for another run writing the same outputs",
+        description="Runs on the same dataset folder or run folder take turns (a lease on the output root); a run "
+        "that waited this long for the other one fails, naming it.",
+    )
+    stall_timeout_s: int = Field(
+        1800,
+        ge=60,
+        title="Seconds a stage may go without a result",
+        description="Preprocess and inference log what they wait on every minute; one that went this long "
+        "without a single result fails with what it was waiting for.",
+    )
+    placement_wait_s: int = Field(
+        300,
+        ge=0,
+        title="Seconds to wait for a Ray cluster to offer the engines' resources",
+        description="Before any work starts, the engines' GPUs and CPUs are checked against the cluster; a cluster "
+        "that cannot place them (after this long, for an autoscaling one) fails the run naming what is missing.",
+    )
 
     def dummy_weights(self) -> bool:
         """vLLM draws random weights (``engine_kwargs.load_format == "dummy"``): no weight files needed."""
@@ -185,7 +220,12 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> RunC
         import yaml
 
         with open(path, encoding="utf-8") as fh:
-            loaded = yaml.safe_load(fh) or {}
+            try:
+                loaded = yaml.safe_load(fh) or {}
+            except yaml.YAMLError as e:  # one line naming the file and the place, not a parser traceback
+                mark = getattr(e, "problem_mark", None)
+                where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+                raise ValueError(f"config file {where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {path}: expected a mapping of parameters, got {type(loaded).__name__}")
         data.update(loaded)

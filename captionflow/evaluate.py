@@ -29,7 +29,7 @@ def evaluate(
     data = store.read_tables(shard_paths(store, manifest), columns=["image_id", "source", "references"])
     refs = dict(zip(data["image_id"].to_pylist(), data["references"].to_pylist())) if data else {}
     sources = dict(zip(data["image_id"].to_pylist(), data["source"].to_pylist())) if data else {}
-    caps_t = store.read_tables(store.ls(*run, CAPTIONS, suffix=".parquet"))
+    caps_t = store.read_unique(store.ls(*run, CAPTIONS, suffix=".parquet"))
     rows = caps_t.to_pylist() if caps_t is not None else []
     captions = {r["image_id"]: r["caption"] for r in rows}
     stats = length_stats([r["caption"] for r in rows], [r["finish_reason"] for r in rows], inference.failed)
@@ -38,7 +38,7 @@ def evaluate(
     judged: dict[str, dict] = {}
     if judge:
         metrics["judge"] = judge.headline()
-        jt = store.read_tables(store.ls(*judge.judge_parts, SCORES, suffix=".parquet"))
+        jt = store.read_unique(store.ls(*judge.judge_parts, SCORES, suffix=".parquet"))
         judged = {r["image_id"]: r for r in jt.to_pylist()} if jt is not None else {}
     scores = pa.Table.from_pylist(
         [

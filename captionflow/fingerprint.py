@@ -40,6 +40,8 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
     return h.hexdigest()[:16]
 
 
-def generation_fingerprint(cfg) -> str:
-    """What decides the generated text besides dataset and model (``RunConfig.generation_params``)."""
-    return digest(cfg.generation_params())
+def generation_fingerprint(cfg, engine) -> str:
+    """Everything besides dataset and checkpoint that can change a caption: the prompts and sampling
+    (``RunConfig.generation_params``) and what of the engine settings is not only about speed
+    (``EngineSettings.output_params``: device, pixel budget, context length, dtype, ...)."""
+    return digest({**cfg.generation_params(), "engine": engine.output_params()})

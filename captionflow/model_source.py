@@ -98,9 +98,51 @@ def resolve_model(model: str, cache_dir: str | None = None, dummy_weights: bool 
     weights = [p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt")]
     if not weights and not dummy_weights:
         raise ModelError(f"model {str(path)!r} has no weight files (*.safetensors / *.bin)")
+    if not dummy_weights:
+        check_weights(path)
     return ResolvedModel(
         source=model,
         path=str(path),
         fingerprint=model_fingerprint(path),
         architecture=archs[0] if archs else str(cfg.get("model_type", "unknown")),
     )
+
+
+SAFETENSORS_MAX_HEADER = 100 * 2**20
+
+
+def check_weights(path: Path) -> None:
+    """A checkpoint's weight files are complete: every shard an index names exists, and every safetensors
+    file holds a readable header whose tensors end exactly where the file does (a truncated copy or an
+    interrupted upload fails here, not inside an engine after Ray started)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelError(f"model {str(path)!r}: {index.name} is unreadable ({e})") from None
+        missing = sorted(s for s in shards if not (path / s).is_file())
+        if missing:
+            raise ModelError(
+                f"model {str(path)!r}: {index.name} names {len(missing)} missing shard(s): {', '.join(missing[:3])}"
+            )
+    for f in sorted(path.glob("*.safetensors")):
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or n > SAFETENSORS_MAX_HEADER or 8 + n > size:
+                raise ModelError(
+                    f"model weights {str(f)!r}: not a complete safetensors file (header length {n}, "
+                    f"file size {size} bytes): truncated or not safetensors"
+                )
+            try:
+                header = json.loads(fh.read(n))
+            except ValueError as e:
+                raise ModelError(f"model weights {str(f)!r}: the safetensors header is not JSON ({e})") from None
+        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end != size:
+            raise ModelError(
+                f"model weights {str(f)!r}: the header describes {8 + n + end} bytes, the file has "
+                f"{size}: truncated or damaged"
+            )

@@ -1,21 +1,215 @@
-"""Checks that fail cheaply, before Ray, a decoder or an engine starts: each failure one line naming what and where."""
+"""Checks that fail cheaply, before Ray, a decoder or an engine starts: each failure one line naming what and where.
+
+In order: the output root takes a write (probe file written and removed), the dataset exists, the
+checkpoint is complete (``model_source``: config, weights, safetensors headers and sizes), the engine
+arguments are ones the installed vLLM knows (read from its source, without importing it), the numeric
+options fit the model (pixel budget against the image processor's smallest image, context length against
+what one request needs), and the device and cluster can place the engines.
+"""
 
 from __future__ import annotations
 
+import ast
+import difflib
+import functools
+import importlib.util
+import json
+import logging
+import math
 import shutil
+import time
+import uuid
+from pathlib import Path
 
 from captionflow.config import RunConfig
-from captionflow.model_source import resolve_model
+from captionflow.errors import CaptionflowError, DatasetError
+from captionflow.model_source import ResolvedModel, resolve_model
+from captionflow.pipeline.device import local_gpus
+from captionflow.pipeline.engine import EngineSettings, resolve_engine
+from captionflow.pipeline.presets import PRESETS
+from captionflow.pipeline.session import cluster_address
 from captionflow.results import PreflightResult
+from captionflow.storage import Store
+
+log = logging.getLogger("captionflow.preflight")
+
+
+class OutputError(CaptionflowError, OSError):
+    """The output root cannot be written."""
+
+
+class OptionError(CaptionflowError, ValueError):
+    """An option is out of range for the model or unknown to the installed engine."""
+
+
+class PlacementError(CaptionflowError, RuntimeError):
+    """The machine or cluster cannot place the engines the run asks for."""
 
 
 def preflight(cfg: RunConfig) -> PreflightResult:
-    """Resolve and check the checkpoint (and the judge's), and what the options need."""
+    check_output(cfg.output)
+    check_dataset(cfg.dataset)
     model = resolve_model(cfg.model, dummy_weights=cfg.dummy_weights())
     judge = None
     if cfg.judge:
         same = cfg.judge_model in (None, cfg.model)
         judge = model if same else resolve_model(cfg.judge_model, dummy_weights=cfg.dummy_weights())
     if cfg.coco_java and not shutil.which("java"):
-        raise ValueError("coco_java needs Java on the PATH (PTB tokenizer and METEOR run on the JVM)")
-    return PreflightResult(model=model, judge=judge)
+        raise OptionError("coco_java needs Java on the PATH (PTB tokenizer and METEOR run on the JVM)")
+    check_engine_kwargs(cfg.engine_kwargs)
+    device, gpus, local = resolve_device(cfg)
+    engine = resolve_engine(cfg, model, PRESETS[device], gpus, local)
+    check_ranges(cfg, model, engine)
+    judge_engine = resolve_engine(cfg, judge, PRESETS[device], gpus, local) if judge else None
+    check_placement(cfg, engine, local)
+    return PreflightResult(model=model, judge=judge, engine=engine, judge_engine=judge_engine)
+
+
+# ---------------------------------------------------------------- storage
+def check_output(output: str) -> None:
+    """A probe file written and removed under the output root: a missing bucket, wrong credentials, a
+    read-only or full disk are found here, not after the images were decoded."""
+    try:
+        store = Store(output)
+        name = f".captionflow-probe-{uuid.uuid4().hex}"
+        store.write_bytes(b"probe", name)
+        store.remove(name)
+    except Exception as e:
+        raise OutputError(f"output {output!r} cannot be written: {type(e).__name__}: {str(e)[:300]}") from None
+
+
+def check_dataset(dataset: str) -> None:
+    if dataset == "demo":
+        return
+    from captionflow.storage import open_fs
+
+    try:
+        fs, root = open_fs(dataset)
+        exists = fs.exists(root)
+    except Exception as e:
+        raise DatasetError(f"dataset {dataset!r}: cannot access it ({type(e).__name__}: {str(e)[:300]})") from None
+    if not exists:
+        raise DatasetError(f"dataset {dataset!r} does not exist")
+
+
+# ---------------------------------------------------------------- engine arguments and ranges
+@functools.lru_cache(maxsize=1)
+def vllm_engine_args() -> frozenset[str]:
+    """The engine arguments the installed vLLM accepts: the fields of ``EngineArgs``, read from its source
+    (importing vLLM takes 10-30 s; parsing one file, milliseconds). Empty when vLLM is not installed."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return frozenset()
+    path = Path(list(spec.submodule_search_locations)[0]) / "engine" / "arg_utils.py"
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.ClassDef) and node.name in ("EngineArgs", "AsyncEngineArgs"):
+            names |= {i.target.id for i in node.body if isinstance(i, ast.AnnAssign) and isinstance(i.target, ast.Name)}
+    return frozenset(names)
+
+
+def check_engine_kwargs(engine_kwargs: dict) -> None:
+    known = vllm_engine_args()
+    if not known:
+        return
+    for key in engine_kwargs:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise OptionError(f"engine_kwargs: {key!r} is not an argument of the installed vLLM{hint}")
+
+
+def _image_processor(model: ResolvedModel) -> dict:
+    path = Path(model.path) / "preprocessor_config.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _count_tokens(model: ResolvedModel, text: str) -> int:
+    path = Path(model.path) / "tokenizer.json"
+    if path.is_file():
+        try:
+            from tokenizers import Tokenizer
+
+            return len(Tokenizer.from_file(str(path)).encode(text).ids)
+        except Exception:
+            pass
+    return math.ceil(len(text.encode("utf-8")) / 4)  # without a tokenizer: a low estimate, so no false alarm
+
+
+def check_ranges(cfg: RunConfig, model: ResolvedModel, engine: EngineSettings) -> None:
+    proc = _image_processor(model)
+    factor = int(proc.get("patch_size", 14)) * int(proc.get("merge_size", 2))
+    smallest = int(proc.get("min_pixels") or (proc.get("size") or {}).get("shortest_edge") or factor * factor)
+    if engine.max_pixels < max(smallest, factor * factor):
+        raise OptionError(
+            f"max_pixels {engine.max_pixels} is below the smallest image the model's processor makes "
+            f"({max(smallest, factor * factor)} pixels: min_pixels in {model.path}/preprocessor_config.json)"
+        )
+    max_len = int(engine.engine_kwargs.get("max_model_len") or 0)
+    cfg_file = Path(model.path) / "config.json"
+    conf = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+    positions = (conf.get("text_config") or {}).get("max_position_embeddings") or conf.get("max_position_embeddings")
+    if max_len and positions and max_len > positions:
+        raise OptionError(f"max_model_len {max_len} is more than the model's max_position_embeddings {positions}")
+    image_tokens = engine.max_pixels // (factor * factor)
+    prompt_tokens = _count_tokens(model, cfg.system_prompt + "\n" + cfg.prompt) + 16  # + the chat template's
+    need = image_tokens + prompt_tokens + cfg.max_tokens
+    if max_len and need > max_len:
+        raise OptionError(
+            f"max_model_len {max_len} is too small: one request needs about {need} tokens (image up to "
+            f"{image_tokens} at max_pixels {engine.max_pixels}, prompt {prompt_tokens}, max_tokens {cfg.max_tokens})"
+        )
+
+
+# ---------------------------------------------------------------- device and placement
+def resolve_device(cfg: RunConfig) -> tuple[str, int, bool]:
+    """(device preset name, GPUs, local Ray) without starting a local Ray: this machine's GPUs through
+    NVML; a cluster's from Ray (connecting to it)."""
+    if cluster_address(cfg):
+        from captionflow.pipeline.session import ray_session
+
+        gpus = ray_session(cfg).gpus()
+        local = False
+    else:
+        gpus = local_gpus()
+        local = True
+    device = cfg.device if cfg.device != "auto" else ("gpu" if gpus else "cpu")
+    if device == "gpu" and local and not gpus:
+        raise PlacementError(
+            "device 'gpu': this machine has no GPU that NVML or torch can see "
+            "(use device 'cpu' or 'auto', or ray_address for a GPU cluster)"
+        )
+    return device, gpus, local
+
+
+def engine_demand(engine: EngineSettings) -> dict[str, float]:
+    preset = engine.preset
+    per_engine_gpu = engine.gpu_share if preset.engine_gpus else 0.0
+    gpus = engine.concurrency * per_engine_gpu * engine.tensor_parallel_size if preset.engine_gpus else 0.0
+    return {"CPU": engine.concurrency * preset.engine_cpus, "GPU": gpus}
+
+
+def check_placement(cfg: RunConfig, engine: EngineSettings, local: bool) -> None:
+    """The engines' GPUs and CPUs against what the cluster offers (a local Ray is sized for them)."""
+    if local:
+        return
+    import ray
+
+    demand = engine_demand(engine)
+    deadline = time.monotonic() + cfg.placement_wait_s
+    said = 0.0
+    while True:
+        have = ray.cluster_resources()
+        missing = {k: v - have.get(k, 0.0) for k, v in demand.items() if v > have.get(k, 0.0) + 1e-9}
+        if not missing:
+            return
+        what = ", ".join(f"{k} {demand[k]:g} (the cluster has {have.get(k, 0.0):g})" for k in missing)
+        if time.monotonic() >= deadline:
+            raise PlacementError(
+                f"the Ray cluster at {cluster_address(cfg)} cannot place the engines: they need {what}; "
+                f"waited {cfg.placement_wait_s} s for it to scale up"
+            )
+        if time.monotonic() - said >= 60:
+            log.warning("waiting for the Ray cluster to offer the engines' resources: %s", what)
+            said = time.monotonic()
+        time.sleep(5)

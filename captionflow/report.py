@@ -2,19 +2,38 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pyarrow as pa
 
 from captionflow.layout import LEADERBOARD
+from captionflow.lease import Lease
 from captionflow.results import InferenceResult, Manifest
 from captionflow.storage import Store
 
 COMPARED = ("bleu_4", "rouge_l", "cider", "meteor", "judge_mean")
+ROW_FIELDS = ("n_captions", "failure_rate", "bleu_4", "rouge_l", "cider", "meteor", "judge_mean")
+ROWS = "leaderboard"  # one JSON file per (dataset, model, generation): each run writes only its own
+
+
+def _row_name(row: dict) -> str:
+    return f"{row['dataset_fingerprint']}-{row['model_fingerprint']}-{row['generation_fingerprint']}.json"
+
+
+def read_leaderboard(store: Store) -> list[dict]:
+    """Every leaderboard row: the row files, and rows of an older ``leaderboard.parquet`` that have none."""
+    rows = {p.rsplit("/", 1)[-1]: json.loads(store.fs.cat_file(p)) for p in store.ls(ROWS, suffix=".json")}
+    if store.exists(LEADERBOARD):
+        for r in store.read_table(store.path(LEADERBOARD)).to_pylist():
+            rows.setdefault(_row_name(r), r)
+    return sorted(rows.values(), key=lambda r: r["evaluated_at"])
 
 
 def update_leaderboard(store: Store, ds_fp: str, run: tuple, model_source: str, metrics: dict) -> dict:
-    """Upsert this run's row; return the deltas against the previous and the best run on this dataset."""
+    """Write this run's row and return the deltas against the previous and the best run on the same dataset
+    with the same generation settings (never across them). Concurrent writers never lose a row: each
+    writes its own row file; ``leaderboard.parquet`` is recompacted from all of them under a lease."""
     row = {
         "dataset_fingerprint": ds_fp,
         "model_fingerprint": run[2],
@@ -27,11 +46,19 @@ def update_leaderboard(store: Store, ds_fp: str, run: tuple, model_source: str, 
         **{k: metrics["reference"].get(k) for k in ("bleu_4", "rouge_l", "cider", "meteor")},
         "judge_mean": (metrics.get("judge") or {}).get("mean_score"),
     }
-    old = store.read_table(store.path(LEADERBOARD)).to_pylist() if store.exists(LEADERBOARD) else []
-    key = (row["dataset_fingerprint"], row["model_fingerprint"], row["generation_fingerprint"])
-    kept = [r for r in old if (r["dataset_fingerprint"], r["model_fingerprint"], r["generation_fingerprint"]) != key]
-    store.write_table(pa.Table.from_pylist(kept + [row]), LEADERBOARD)
-    same = [r for r in kept if r["dataset_fingerprint"] == ds_fp]
+    board = read_leaderboard(store)
+    old = next((r for r in board if _row_name(r) == _row_name(row)), None)
+    if old:  # a metric this evaluation did not compute (no judge this time) keeps its earlier value
+        row.update({k: old[k] for k in ROW_FIELDS if row.get(k) is None and old.get(k) is not None})
+    store.write_json(row, ROWS, _row_name(row))
+    compact_leaderboard(store)
+    same = [
+        r
+        for r in board
+        if _row_name(r) != _row_name(row)
+        and r["dataset_fingerprint"] == ds_fp
+        and r["generation_fingerprint"] == row["generation_fingerprint"]
+    ]
     previous = max(same, key=lambda r: r["evaluated_at"], default=None)
     best = max((r for r in same if r.get("cider") is not None), key=lambda r: r["cider"], default=None)
 
@@ -48,6 +75,15 @@ def update_leaderboard(store: Store, ds_fp: str, run: tuple, model_source: str, 
         }
 
     return {"previous": delta(previous), "best_so_far": delta(best), "runs_on_dataset": len(same) + 1}
+
+
+def compact_leaderboard(store: Store) -> None:
+    """``leaderboard.parquet`` from every row file, written under a lease: the last writer's view holds every
+    row written before it took the lease."""
+    with Lease(store, "leaderboard", what=f"the leaderboard {store.url(LEADERBOARD)}", ttl_s=30, wait_s=600):
+        rows = read_leaderboard(store)
+        if rows:
+            store.write_table(pa.Table.from_pylist(rows), LEADERBOARD)
 
 
 def render_report(

@@ -10,14 +10,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from captionflow.model_source import ResolvedModel
+from captionflow.pipeline.engine import EngineSettings
 
 
 @dataclass(frozen=True)
 class PreflightResult:
-    """The checkpoints a run will load, resolved to local folders and fingerprinted."""
+    """The checkpoints a run will load (resolved to local folders, fingerprinted, checked) and the engine
+    settings each runs with (the device preset and the run's overrides, resolved once)."""
 
     model: ResolvedModel
     judge: Optional[ResolvedModel]
+    engine: EngineSettings
+    judge_engine: Optional[EngineSettings] = None
 
 
 @dataclass
@@ -27,6 +31,7 @@ class IngestResult:
     dataset_fingerprint: str
     dataset_dir: str  # URI under the output root
     source: str
+    root: str  # the dataset's folder (a single Parquet file's folder): path rows may only name files under it
     kind: str  # "images" | "parquet"
     files: list[dict]  # {"path", "name", "size", "mtime", "etag", "problem"} (+ "rows", "row_groups" for parquet)
     n_inputs: int  # images listed, or Parquet rows
@@ -98,6 +103,7 @@ class InferenceResult:
     resumed_from: int  # rows committed by an earlier run and not sent again
     passes: list[PassResult]
     timings_s: dict[str, float]
+    reused: int = 0  # captions of the same images taken from other run folders of this checkpoint and settings
 
 
 @dataclass
@@ -152,6 +158,7 @@ class RunSummary:
     resumed_from: int
     passes: list[dict]
     report: str
+    reused: int = 0
 
     @classmethod
     def build(
@@ -199,6 +206,7 @@ class RunSummary:
                 for p in inference.passes
             ],
             report=evaluation.report,
+            reused=inference.reused,
         )
 
     def to_dict(self) -> dict:

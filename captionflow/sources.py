@@ -26,7 +26,7 @@ from captionflow.builtin.demo_data import ensure_demo_dataset
 from captionflow.config import RunConfig
 from captionflow.errors import DatasetError
 from captionflow.fingerprint import digest
-from captionflow.layout import MANIFEST, SCHEMA_VERSION, dataset_parts
+from captionflow.layout import MANIFEST, SCHEMA_VERSION, dataset_parts, missing_dataset
 from captionflow.results import IngestResult
 from captionflow.storage import Store, local_special, open_fs
 
@@ -77,6 +77,7 @@ class Listing:
     image_column: str | None = None
     caption_column: str | None = None
     hidden: list[str] = field(default_factory=list)  # skipped entries whose name starts with "."
+    root: str = ""  # the folder the dataset is: path rows may only name files under it
 
 
 def display_name(name: str) -> str:
@@ -189,18 +190,21 @@ def list_source(uri: str, image_column: str | None = None, caption_column: str |
         if not root.endswith(".parquet"):
             raise DatasetError(f"dataset {uri!r} is a file: pass a folder of images or a .parquet file")
         files = [_file_info(root, root.rsplit("/", 1)[-1], fs.info(root))]
+        folder = source.rsplit("/", 1)[0]
     else:
+        folder = source
         files, refs, hidden = _walk_folder(fs, uri, root, local)
         if not files:
             raise DatasetError(f"dataset {uri!r} contains no files")
         plain = [f for f in files if not f["problem"]]
         if not plain or not all(f["name"].endswith(".parquet") for f in plain):
-            return Listing(source=source, kind="images", files=files, references=refs, hidden=hidden)
+            return Listing(source=source, kind="images", files=files, references=refs, hidden=hidden, root=source)
         for f in files:  # a Parquet dataset with a part that cannot be read is not taken half
             if f["problem"]:
                 raise DatasetError(f"dataset {uri!r}: {f['name']}: {f['problem']}")
     listing = _parquet_listing(fs, source, files, image_column, caption_column)
     listing.hidden = hidden
+    listing.root = folder
     return listing
 
 
@@ -305,8 +309,11 @@ def ingest(cfg: RunConfig) -> IngestResult:
         "image_column": listing.image_column,
         "caption_column": listing.caption_column,
     }
+    # where the data is (its URI) and what is there: names, sizes, mtimes, ETags (content hashes on S3);
+    # two folders with the same file names, sizes and times are two datasets
     fp = digest(
         {
+            "source": listing.source,
             "files": [(f["name"], f["size"], f["mtime"], f["etag"]) for f in listing.files],
             "references": listing.references,
             "params": params,
@@ -314,7 +321,7 @@ def ingest(cfg: RunConfig) -> IngestResult:
     )
     store = Store(cfg.output)
     manifest_ok = False
-    if store.exists(*dataset_parts(fp), MANIFEST) and not cfg.force_preprocess:
+    if not cfg.force_preprocess and missing_dataset(store, fp) is None:  # built, and its shards all there
         manifest = store.read_json(*dataset_parts(fp), MANIFEST)
         manifest_ok = manifest.get("dataset_fingerprint") == fp and manifest.get("schema_version") == SCHEMA_VERSION
     n_inputs = sum(f.get("rows", 1) for f in listing.files)
@@ -328,6 +335,7 @@ def ingest(cfg: RunConfig) -> IngestResult:
         dataset_fingerprint=fp,
         dataset_dir=store.url(*dataset_parts(fp)),
         source=listing.source,
+        root=listing.root or listing.source,
         kind=listing.kind,
         files=listing.files,
         n_inputs=n_inputs,

@@ -28,10 +28,41 @@ def storage_options(uri: str) -> dict[str, Any]:
     server). Credentials are *not* copied: s3fs/botocore read them from the environment, the
     instance profile or the config files on each machine, so they never travel in a pickled
     filesystem, a log line or an output file.
+
+    Every S3 call has a connect and a read timeout and a bounded number of attempts (botocore's
+    ``standard`` retry mode, s3fs's own retries), so that an endpoint that accepts connections and never
+    answers fails a call in about a minute and a half instead of hanging a stage:
+    ``CAPTIONFLOW_S3_CONNECT_TIMEOUT`` (10 s), ``CAPTIONFLOW_S3_READ_TIMEOUT`` (20 s),
+    ``CAPTIONFLOW_S3_ATTEMPTS`` (2 by botocore, each retried twice by s3fs, ``CAPTIONFLOW_S3_RETRIES``).
     """
-    if uri.startswith(("s3://", "s3a://")) and os.environ.get("AWS_ENDPOINT_URL"):
-        return {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}
-    return {}
+    if not uri.startswith(("s3://", "s3a://")):
+        return {}
+    env = os.environ
+    opts: dict[str, Any] = {
+        "config_kwargs": {
+            "connect_timeout": float(env.get("CAPTIONFLOW_S3_CONNECT_TIMEOUT", 10)),
+            "read_timeout": float(env.get("CAPTIONFLOW_S3_READ_TIMEOUT", 20)),
+            "retries": {"max_attempts": int(env.get("CAPTIONFLOW_S3_ATTEMPTS", 2)), "mode": "standard"},
+        },
+    }
+    bound_s3_retries()
+    if env.get("AWS_ENDPOINT_URL"):
+        opts["endpoint_url"] = env["AWS_ENDPOINT_URL"]
+    return opts
+
+
+def bound_s3_retries() -> None:
+    """s3fs retries a failed call 5 times on top of botocore's attempts (a class attribute, not an option:
+    it does not travel with a pickled filesystem), so each process that uses S3 sets it here; and uploads
+    go without the ``Expect`` header that lets a silent endpoint hang them (``compat/s3_expect.py``)."""
+    try:
+        import s3fs
+    except ImportError:
+        return
+    from captionflow.compat.s3_expect import drop_expect_header
+
+    drop_expect_header()
+    s3fs.S3FileSystem.retries = int(os.environ.get("CAPTIONFLOW_S3_RETRIES", 2))
 
 
 class Store:
@@ -53,11 +84,17 @@ class Store:
         return p if self.is_local else f"{self.protocol}://{p}"
 
     def exists(self, *parts: str) -> bool:
-        return self.fs.exists(self.path(*parts))
+        p = self.path(*parts)
+        if not self.is_local:
+            self.fs.invalidate_cache(p)
+        return self.fs.exists(p)
 
     def ls(self, *parts: str, suffix: str = "") -> list[str]:
-        """Full paths under a folder, sorted; empty when the folder does not exist."""
+        """Full paths under a folder, sorted; empty when the folder does not exist. Object stores are asked
+        afresh (not fsspec's listing cache): other writers add files."""
         p = self.path(*parts)
+        if not self.is_local:
+            self.fs.invalidate_cache(p)
         if not self.fs.exists(p):
             return []
         return sorted(x for x in self.fs.ls(p, detail=False) if x.endswith(suffix))
@@ -129,6 +166,21 @@ class Store:
     def read_tables(self, paths: Iterable[str], columns: Iterable[str] | None = None) -> pa.Table | None:
         tables = [self.read_table(p, columns) for p in paths]
         return pa.concat_tables(tables, promote_options="default") if tables else None
+
+    def read_unique(
+        self, paths: Iterable[str], columns: Iterable[str] | None = None, key: str = "image_id"
+    ) -> pa.Table | None:
+        """Rows of some Parquet files, each ``key`` once (the first, in path order): two writers that raced
+        past a lease cannot make a row count twice."""
+        paths = list(paths)
+        t = self.read_tables(paths, columns)
+        if t is None or t.num_rows == 0:
+            return t
+        import pyarrow.compute as pc
+
+        seen_at = pc.index_in(t[key], value_set=t[key])  # position of the first row with the same key
+        keep = pc.equal(seen_at, pa.array(range(t.num_rows), pa.int32()))
+        return t.filter(keep) if not pc.all(keep).as_py() else t
 
     def ids(self, paths: Iterable[str]) -> set[str]:
         """The values of the ``image_id`` column of some Parquet files."""

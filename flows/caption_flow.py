@@ -29,7 +29,7 @@ def caption_flow(config: RunConfig = RunConfig()) -> dict:
     with stage_results(config.output) as stages:
         ing = ingest_task(config)
         manifest = preprocess_task(ing, config)
-        captions = inference_task(config, manifest, checked.model)
-        judged = judge_task(config, manifest, captions, checked.judge) if checked.judge else None
+        captions = inference_task(config, manifest, checked)
+        judged = judge_task(config, manifest, captions, checked) if checked.judge else None
         scored = evaluate_task(config, manifest, captions, judged)
     return RunSummary.build(ing, manifest, captions, scored, stages.records, stages.elapsed()).to_dict()

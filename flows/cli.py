@@ -83,6 +83,10 @@ class _UserError(Exception):
     """Bad input from the user: printed as one line, exit status 2."""
 
 
+class _RunFailed(Exception):
+    """The run failed for a reason captionflow names (rows that failed, a stall, a lease): one line, exit 1."""
+
+
 def _config(args: argparse.Namespace) -> RunConfig:
     overrides = {k: getattr(args, k, None) for k in RunConfig.model_fields}
     try:
@@ -92,13 +96,19 @@ def _config(args: argparse.Namespace) -> RunConfig:
 
 
 def _flow_call(fn, **kwargs):
-    """Run a flow; bad model or dataset parameters become a _UserError."""
-    from captionflow.errors import DatasetError, ModelError
+    """Run a flow; captionflow's own errors become one line: bad input (a ValueError: dataset, model, options,
+    or an output or device that cannot be used) exit status 2, other named failures 1."""
+    from captionflow.errors import CaptionflowError
+    from captionflow.preflight import OutputError, PlacementError
 
     try:
         return fn(**kwargs)
-    except (ModelError, DatasetError) as e:
-        raise _UserError(str(e)) from None
+    except (ValueError, OutputError, PlacementError) as e:
+        if isinstance(e, CaptionflowError):
+            raise _UserError(str(e)) from None
+        raise
+    except CaptionflowError as e:
+        raise _RunFailed(str(e)) from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -236,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     except _UserError as e:
         print(f"captionflow: {e}", file=sys.stderr)
         return 2
+    except _RunFailed as e:
+        print(f"captionflow: run failed: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

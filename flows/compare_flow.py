@@ -11,8 +11,8 @@ from __future__ import annotations
 from prefect import flow
 
 from captionflow.config import RunConfig
-from captionflow.layout import LEADERBOARD
 from captionflow.model_source import resolve_model
+from captionflow.report import read_leaderboard
 from captionflow.storage import Store
 from flows.caption_flow import caption_flow
 
@@ -24,7 +24,7 @@ def compare_checkpoints(config: RunConfig = RunConfig(), models: tuple[str, ...]
     resolved = [resolve_model(m, dummy_weights=config.dummy_weights()) for m in models]
     runs = [caption_flow(config=config.model_copy(update={"model": m})) for m in models]
     store = Store(config.output)
-    board = store.read_table(store.path(LEADERBOARD)).to_pylist()
+    board = read_leaderboard(store)
     wanted = {r["run_dir"] for r in runs}
     order = [r["run_dir"] for r in runs]
     rows = sorted((r for r in board if r["run_dir"] in wanted), key=lambda r: order.index(r["run_dir"]))

@@ -1,33 +1,30 @@
-"""Stage 3, inference: caption every accepted row (cached per dataset, model and generation settings)."""
+"""Stage 3, inference: caption every accepted row (cached per dataset, checkpoint and generation settings)."""
 
 from __future__ import annotations
 
 import time
 
-from prefect import get_run_logger, task
+from prefect import task
 
 from captionflow.config import RunConfig
-from captionflow.errors import RowsFailed
 from captionflow.layout import CAPTIONS, missing_rows, shard_paths
-from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.inference import caption_run_parts, run_inference
-from captionflow.results import InferenceResult, Manifest
+from captionflow.results import InferenceResult, Manifest, PreflightResult
 from captionflow.storage import Store
 from tasks.results import record_stage, validated
 from tasks.retry import retry_transient
 
 
-def _key(cfg: RunConfig, manifest: Manifest, model: ResolvedModel) -> str:
-    return "-".join(caption_run_parts(cfg, manifest, model)[1:])
+def _key(cfg: RunConfig, manifest: Manifest, checked: PreflightResult) -> str:
+    return "-".join(caption_run_parts(cfg, manifest, checked.model, checked.engine)[1:])
 
 
-def _missing(cfg: RunConfig, manifest: Manifest, model: ResolvedModel):
+def _missing(cfg: RunConfig, manifest: Manifest, checked: PreflightResult):
     """Rows without a committed caption: a cached result whose captions are incomplete (rows that failed
     every pass, a deleted run folder) is not reused, so the next run captions what is missing."""
     store = Store(cfg.output)
-    return missing_rows(
-        store, caption_run_parts(cfg, manifest, model), CAPTIONS, store.ids(shard_paths(store, manifest))
-    )
+    run = caption_run_parts(cfg, manifest, checked.model, checked.engine)
+    return missing_rows(store, run, CAPTIONS, store.ids(shard_paths(store, manifest)))
 
 
 class ProgressArtifact:
@@ -67,14 +64,11 @@ class ProgressArtifact:
     on_completion=[record_stage],
     on_failure=[record_stage],
 )
-def inference_task(cfg: RunConfig, manifest: Manifest, model: ResolvedModel) -> InferenceResult:
-    """Rows that still fail after every pass are counted, not fatal: the flow evaluates what was captioned,
-    and the next run (its cache check sees the missing rows) tries them again."""
+def inference_task(cfg: RunConfig, manifest: Manifest, checked: PreflightResult) -> InferenceResult:
+    """Rows that still fail after every pass are counted (the next run's cache check sees them missing and
+    tries them again); more than ``max_failure_rate`` of them fails the task and the run."""
     store = Store(cfg.output)
     total = manifest.counts.accepted
-    done = len(store.ids(store.ls(*caption_run_parts(cfg, manifest, model), CAPTIONS, suffix=".parquet")))
-    try:
-        return run_inference(cfg, manifest, model, progress=ProgressArtifact(total, min(done, total)))
-    except RowsFailed as e:
-        get_run_logger().warning("%s", e)
-        return e.result
+    run = caption_run_parts(cfg, manifest, checked.model, checked.engine)
+    done = len(store.ids(store.ls(*run, CAPTIONS, suffix=".parquet")))
+    return run_inference(cfg, manifest, checked.model, checked.engine, ProgressArtifact(total, min(done, total)))

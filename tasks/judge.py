@@ -7,24 +7,25 @@ from prefect import task
 from captionflow.config import RunConfig
 from captionflow.fingerprint import digest
 from captionflow.layout import CAPTIONS, SCORES, missing_rows
-from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.judge import judge_run_parts, run_judge
-from captionflow.results import InferenceResult, JudgeResult, Manifest
+from captionflow.results import InferenceResult, JudgeResult, Manifest, PreflightResult
 from captionflow.storage import Store
 from tasks.results import record_stage, validated
 from tasks.retry import retry_transient
 
 
-def _key(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, judge: ResolvedModel) -> str:
-    return digest([list(judge_run_parts(tuple(inference.run_parts), judge)), inference.captioned])
+def _parts(inference: InferenceResult, checked: PreflightResult) -> tuple[str, ...]:
+    return judge_run_parts(tuple(inference.run_parts), checked.judge, checked.judge_engine)
 
 
-def _missing(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, judge: ResolvedModel):
+def _key(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, checked: PreflightResult) -> str:
+    return digest([list(_parts(inference, checked)), inference.captioned])
+
+
+def _missing(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, checked: PreflightResult):
     store = Store(cfg.output)
-    run = tuple(inference.run_parts)
-    return missing_rows(
-        store, judge_run_parts(run, judge), SCORES, store.ids(store.ls(*run, CAPTIONS, suffix=".parquet"))
-    )
+    captions = store.ids(store.ls(*inference.run_parts, CAPTIONS, suffix=".parquet"))
+    return missing_rows(store, _parts(inference, checked), SCORES, captions)
 
 
 @task(
@@ -37,5 +38,5 @@ def _missing(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, jud
     on_completion=[record_stage],
     on_failure=[record_stage],
 )
-def judge_task(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, judge: ResolvedModel) -> JudgeResult:
-    return run_judge(cfg, manifest, inference, judge)
+def judge_task(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, checked: PreflightResult) -> JudgeResult:
+    return run_judge(cfg, manifest, inference, checked.judge, checked.judge_engine)

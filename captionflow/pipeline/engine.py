@@ -12,10 +12,9 @@ at (weights + fixed KV cache + overhead) each, at most the preset's ``max_engine
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from captionflow.compat.cuda_mps import ensure_mps
 from captionflow.config import RunConfig
 from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.device import local_gpu_memory_bytes
@@ -32,9 +31,41 @@ class EngineSettings:
     gpu_share: float  # of one GPU per replica (0 on CPU)
     max_pixels: int  # the image processor's pixel budget
     engine_kwargs: dict[str, Any]  # what vLLM gets, final
-    env: dict[str, str] = field(default_factory=dict)  # extra environment of the engine workers (CUDA MPS)
+    mps: str = "off"  # CUDA MPS for engines sharing a GPU: the cuda_mps mode, "off" where not wanted
     accelerator_type: str | None = None
     tensor_parallel_size: int = 1
+
+    def output_params(self) -> dict[str, Any]:
+        """What of these settings can change a caption (part of the generation fingerprint): the device's
+        numerics, the pixel budget, the context length and every engine argument that is not only about speed
+        or memory (dtype, load_format, quantization, seed, ...)."""
+        kwargs = {k: v for k, v in self.engine_kwargs.items() if k not in SPEED_ONLY}
+        return {"device": self.preset.name, "max_pixels": self.max_pixels, "engine_kwargs": kwargs}
+
+
+# Engine arguments that change how fast or in how much memory an engine runs, never what it generates.
+SPEED_ONLY = frozenset(
+    {
+        "gpu_memory_utilization",
+        "kv_cache_memory_bytes",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "enable_prefix_caching",
+        "enable_chunked_prefill",
+        "mm_processor_cache_gb",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "distributed_executor_backend",
+        "enforce_eager",
+        "limit_mm_per_prompt",
+        "disable_log_stats",
+        "swap_space",
+        "block_size",
+        "compilation_config",
+        "max_seq_len_to_capture",
+        "mm_processor_kwargs",  # its max_pixels is output_params' own entry
+    }
+)
 
 
 def resolve_engine(
@@ -45,7 +76,7 @@ def resolve_engine(
     max_pixels = cfg.max_pixels or preset.max_pixels
     k, share, concurrency = 1, 0.0, cfg.concurrency or preset.concurrency
     layout_kwargs: dict[str, Any] = {}
-    env: dict[str, str] = {}
+    mps = "off"
     if preset.engine_gpus:
         gpu_mem = int(cfg.gpu_memory_gib * 2**30) if cfg.gpu_memory_gib else (local_gpu_memory_bytes() or 80 * 2**30)
         k = engines_per_gpu(
@@ -61,7 +92,7 @@ def resolve_engine(
                 "kv_cache_memory_bytes": preset.kv_cache_bytes,
             }
             if local_ray:  # the GPUs are this machine's: run the engines under CUDA MPS
-                env = ensure_mps(cfg.cuda_mps)
+                mps = cfg.cuda_mps
     engine_kwargs: dict[str, Any] = {
         "max_num_seqs": cfg.max_num_seqs or preset.max_num_seqs,
         "max_model_len": cfg.max_model_len or preset.max_model_len,
@@ -83,7 +114,7 @@ def resolve_engine(
         gpu_share=share,
         max_pixels=max_pixels,
         engine_kwargs=engine_kwargs,
-        env=env,
+        mps=mps,
         accelerator_type=cfg.accelerator_type,
         tensor_parallel_size=cfg.tensor_parallel_size,
     )

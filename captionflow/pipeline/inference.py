@@ -1,22 +1,30 @@
 """Stage 3, inference: a caption for every accepted row, through Ray Data LLM and the vLLM engine.
 
-One Ray Data job per pass (``processor.py``), streamed into the commit ledger (``ledger.py``): a rerun
-sends only the rows not yet committed, and rows the engine rejects are retried in later passes.
+One Ray Data job per pass (``processor.py``), streamed into the commit ledger (``ledger.py``) while this
+run holds the lease on its run folder (``captionflow/lease.py``): a rerun sends only the rows not yet
+committed, a concurrent run on the same folder waits and then finds them committed, and rows the engine
+rejects are retried in later passes. Captions of the same image by the same checkpoint with the same
+settings in another run folder (the dataset gained or lost files around it) are reused, not recomputed.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 from typing import Optional
+
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from captionflow.config import RunConfig
 from captionflow.errors import RowsFailed
 from captionflow.fingerprint import generation_fingerprint
 from captionflow.layout import CAPTIONS, run_parts, shard_paths
+from captionflow.lease import Lease
 from captionflow.model_source import ResolvedModel
-from captionflow.pipeline.engine import resolve_engine
+from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.ledger import Ledger, Progress, run_passes
 from captionflow.pipeline.processor import build_vlm_processor, map_task_kwargs, read_pending
 from captionflow.pipeline.session import ray_session
@@ -24,79 +32,93 @@ from captionflow.results import InferenceResult, Manifest
 from captionflow.storage import Store
 from captionflow.workers.llm_rows import CAPTION_SCHEMA, caption_fixed_schema, caption_request, to_caption
 
+log = logging.getLogger("captionflow.inference")
+
 # Testing hook: a comma-separated list of image ids whose *first* attempt is sent to the engine
 # with invalid sampling parameters (temperature -1), so the real engine rejects that row.
 INJECT_ENV = "CAPTIONFLOW_INJECT_ROW_FAILURES"
 
 
-def caption_run_parts(cfg: RunConfig, manifest: Manifest, model: ResolvedModel) -> tuple[str, ...]:
-    return run_parts(manifest.dataset_fingerprint, model.fingerprint, generation_fingerprint(cfg))
+def caption_run_parts(
+    cfg: RunConfig, manifest: Manifest, model: ResolvedModel, engine: EngineSettings
+) -> tuple[str, ...]:
+    return run_parts(manifest.dataset_fingerprint, model.fingerprint, generation_fingerprint(cfg, engine))
+
+
+def reuse_captions(store: Store, run: tuple[str, ...], ledger: Ledger, pending: set[str], done: set[str]) -> int:
+    """Commit, as they are, the captions of ``pending`` images found in other run folders of the same
+    checkpoint and generation settings (other datasets); returns how many."""
+    own = store.path(*run, CAPTIONS)
+    found = 0
+    for folder in sorted(store.fs.glob(store.path("runs", "*", run[2], run[3], CAPTIONS))):
+        if not pending or folder.rstrip("/") == own:
+            continue
+        table = store.read_unique(sorted(p for p in store.fs.ls(folder, detail=False) if p.endswith(".parquet")))
+        if table is None:
+            continue
+        table = table.filter(pc.is_in(table["image_id"], value_set=pa.array(sorted(pending), pa.string())))
+        if table.num_rows:
+            rows = table.select(CAPTION_SCHEMA.names).to_pylist()
+            found += ledger.commit_rows_now(rows)
+            ids = {r["image_id"] for r in rows}
+            done |= ids
+            pending -= ids
+    if found:
+        log.info("reused %d captions of the same images, checkpoint and settings from other run folders", found)
+    return found
 
 
 def run_inference(
-    cfg: RunConfig, manifest: Manifest, model: ResolvedModel, progress: Optional[Progress] = None
+    cfg: RunConfig,
+    manifest: Manifest,
+    model: ResolvedModel,
+    engine: EngineSettings,
+    progress: Optional[Progress] = None,
 ) -> InferenceResult:
-    """Caption every accepted row not yet captioned. Raises RowsFailed (with the result) when rows
-    still failed after every pass."""
+    """Caption every accepted row not yet captioned. Rows that still failed after every pass are counted;
+    more than ``max_failure_rate`` of them raises RowsFailed (with the result)."""
     t_start = time.perf_counter()
     store = Store(cfg.output)
-    run = caption_run_parts(cfg, manifest, model)
+    run = caption_run_parts(cfg, manifest, model, engine)
     shards = shard_paths(store, manifest)
     all_ids = store.ids(shards)
-    store.write_json(
-        {
-            "model": model.source,
-            "model_path": model.path,
-            "model_fingerprint": model.fingerprint,
-            "architecture": model.architecture,
-            "dataset_fingerprint": manifest.dataset_fingerprint,
-            "generation": cfg.generation_params(),
-        },
-        *run,
-        "run.json",
-    )
-    ledger = Ledger(store, run, CAPTIONS, CAPTION_SCHEMA, cfg.commit_rows)
-    done = ledger.committed()
-    resumed_from = len(done & all_ids)
     timings: dict[str, float] = {}
     passes = []
-    if all_ids - done:
-        t0 = time.perf_counter()
-        session = ray_session(cfg)
-        timings["ray_init_s"] = round(time.perf_counter() - t0, 2)
-        engine = resolve_engine(cfg, model, session.preset(cfg.device), session.gpus(), session.started_here)
-        inject = frozenset(x for x in os.environ.get(INJECT_ENV, "").split(",") if x)
-        sampling = {
-            "max_tokens": cfg.max_tokens,
-            "temperature": cfg.temperature,
-            "top_p": cfg.top_p,
-            "seed": cfg.seed,
-            "ignore_eos": cfg.ignore_eos,
-        }
-
-        def rows_for(attempt: int, pending: list[str]):
-            processor = build_vlm_processor(
-                engine,
-                model.path,
-                preprocess=functools.partial(
-                    caption_request,
-                    system_prompt=cfg.system_prompt,
-                    prompt=cfg.prompt,
-                    sampling=sampling,
-                    fail_ids=inject if attempt == 0 else frozenset(),
-                ),
-                postprocess=functools.partial(
-                    to_caption, max_tokens=cfg.max_tokens, model_fp=model.fingerprint, attempt=attempt
-                ),
-            )
-            ds = read_pending(store.fs, shards, ["image_id", "image"], pending, engine)
-            return processor(ds).map(
-                functools.partial(caption_fixed_schema, model_fp=model.fingerprint, attempt=attempt),
-                **map_task_kwargs(engine.preset),
-            )
-
-        passes = run_passes(ledger, all_ids, done, cfg.row_retries, rows_for, progress)
-        timings["inference_s"] = round(time.perf_counter() - t_start, 2)
+    with Lease(store, "/".join(run), what=f"the run folder {store.url(*run)}", wait_s=cfg.lease_wait_s) as lease:
+        store.write_json(
+            {
+                "model": model.source,
+                "model_path": model.path,
+                "model_fingerprint": model.fingerprint,
+                "architecture": model.architecture,
+                "dataset_fingerprint": manifest.dataset_fingerprint,
+                "generation": cfg.generation_params(),
+                "engine": engine.output_params(),
+                "engine_kwargs": engine.engine_kwargs,
+            },
+            *run,
+            "run.json",
+        )
+        ledger = Ledger(
+            store,
+            run,
+            CAPTIONS,
+            CAPTION_SCHEMA,
+            cfg.commit_rows,
+            lease=lease,
+            stall_timeout_s=cfg.stall_timeout_s,
+            what="inference",
+        )
+        done = ledger.committed()
+        resumed_from = len(done & all_ids)
+        reused = reuse_captions(store, run, ledger, all_ids - done, done)
+        if all_ids - done:
+            t0 = time.perf_counter()
+            ray_session(cfg)
+            timings["ray_init_s"] = round(time.perf_counter() - t0, 2)
+            rows_for = _caption_rows(cfg, model, engine, store, shards)
+            passes = run_passes(ledger, all_ids, done, cfg.row_retries, rows_for, progress)
+            timings["inference_s"] = round(time.perf_counter() - t_start, 2)
     captioned = len(done & all_ids)
     result = InferenceResult(
         run_dir=store.url(*run),
@@ -107,11 +129,54 @@ def run_inference(
         resumed_from=resumed_from,
         passes=passes,
         timings_s=timings,
+        reused=reused,
     )
     if result.failed:
-        raise RowsFailed(
-            f"{result.failed} of {result.accepted} rows failed after {len(passes)} passes "
-            f"(see {result.run_dir}/failures)",
-            result,
+        share = result.failed / max(result.accepted, 1)
+        message = (
+            f"{result.failed} of {result.accepted} rows ({share:.0%}) failed after {len(passes)} passes "
+            f"(their errors: {result.run_dir}/failures)"
         )
+        if share > cfg.max_failure_rate:
+            raise RowsFailed(
+                f"{message}: more than max_failure_rate {cfg.max_failure_rate:.0%}; the run is not "
+                "a result (the captions committed are kept, a rerun retries the rest)",
+                result,
+            )
+        log.warning("%s; a rerun retries them", message)
     return result
+
+
+def _caption_rows(cfg: RunConfig, model: ResolvedModel, engine: EngineSettings, store: Store, shards: list[str]):
+    """``rows_for(attempt, pending)``: the Ray dataset of caption rows for one pass."""
+    inject = frozenset(x for x in os.environ.get(INJECT_ENV, "").split(",") if x)
+    sampling = {
+        "max_tokens": cfg.max_tokens,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "seed": cfg.seed,
+        "ignore_eos": cfg.ignore_eos,
+    }
+
+    def rows_for(attempt: int, pending: list[str]):
+        processor = build_vlm_processor(
+            engine,
+            model.path,
+            preprocess=functools.partial(
+                caption_request,
+                system_prompt=cfg.system_prompt,
+                prompt=cfg.prompt,
+                sampling=sampling,
+                fail_ids=inject if attempt == 0 else frozenset(),
+            ),
+            postprocess=functools.partial(
+                to_caption, max_tokens=cfg.max_tokens, model_fp=model.fingerprint, attempt=attempt
+            ),
+        )
+        ds = read_pending(store.fs, shards, ["image_id", "image"], pending, engine)
+        return processor(ds).map(
+            functools.partial(caption_fixed_schema, model_fp=model.fingerprint, attempt=attempt),
+            **map_task_kwargs(engine.preset),
+        )
+
+    return rows_for

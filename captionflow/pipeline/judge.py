@@ -4,7 +4,7 @@ The answer is constrained with vLLM structured outputs to a regular expression w
 valid JSON of bounded length (a score digit 1-5 and a reason of at most 80 plain characters), and
 ``max_tokens`` leaves room for the longest match, so every answer parses, even the tiny random
 built-in model's. Rows the engine rejects are recorded with their error in ``judge/<judge-fp>/failures``
-and never counted as judged; the pass resumes like captioning (the same ledger and pass loop).
+and never counted as judged; the pass resumes like captioning (the same ledger, lease and pass loop).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import time
 from captionflow.config import RunConfig
 from captionflow.fingerprint import digest
 from captionflow.layout import CAPTIONS, FAILURES, SCORES, judge_parts, shard_paths
+from captionflow.lease import Lease
 from captionflow.model_source import ResolvedModel
-from captionflow.pipeline.engine import resolve_engine
+from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.ledger import Ledger, run_passes
 from captionflow.pipeline.processor import build_vlm_processor, map_task_kwargs, read_pending
 from captionflow.pipeline.session import ray_session
@@ -34,11 +35,12 @@ from captionflow.workers.llm_rows import (
 )
 
 
-def judge_run_parts(run: tuple[str, ...], judge: ResolvedModel) -> tuple[str, ...]:
-    """Where one judge's scores of one run go: keyed on the judge checkpoint and its prompt."""
+def judge_run_parts(run: tuple[str, ...], judge: ResolvedModel, engine: EngineSettings) -> tuple[str, ...]:
+    """Where one judge's scores of one run go: keyed on the judge checkpoint, its settings and its prompt."""
     fp = digest(
         {
             "model": judge.fingerprint,
+            "engine": engine.output_params(),
             "regex": JUDGE_REGEX,
             "system": JUDGE_SYSTEM,
             "prompt": judge_prompt("{caption}", ["{reference}"]),
@@ -47,42 +49,32 @@ def judge_run_parts(run: tuple[str, ...], judge: ResolvedModel) -> tuple[str, ..
     return judge_parts(run, fp)
 
 
-def run_judge(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, judge: ResolvedModel) -> JudgeResult:
+def run_judge(
+    cfg: RunConfig, manifest: Manifest, inference: InferenceResult, judge: ResolvedModel, engine: EngineSettings
+) -> JudgeResult:
     """Judge every captioned row not judged yet; returns counts, parse rate and the mean score."""
     t0 = time.perf_counter()
     store = Store(cfg.output)
     run = tuple(inference.run_parts)
-    base = judge_run_parts(run, judge)
-    caps = store.read_tables(store.ls(*run, CAPTIONS, suffix=".parquet"), columns=["image_id", "caption"])
+    base = judge_run_parts(run, judge, engine)
+    caps = store.read_unique(store.ls(*run, CAPTIONS, suffix=".parquet"), columns=["image_id", "caption"])
     captions = dict(zip(caps["image_id"].to_pylist(), caps["caption"].to_pylist())) if caps is not None else {}
-    ledger = Ledger(store, base, SCORES, JUDGE_SCHEMA, cfg.commit_rows)
-    done = ledger.committed()
     passes = []
-    if set(captions) - done:
-        session = ray_session(cfg)
-        engine = resolve_engine(cfg, judge, session.preset(cfg.device), session.gpus(), session.started_here)
-        shards = shard_paths(store, manifest)
-        sampling = {
-            "max_tokens": JUDGE_MAX_TOKENS,
-            "temperature": 0.0,
-            "seed": cfg.seed,
-            "structured_outputs": {"regex": JUDGE_REGEX},
-        }
-
-        def rows_for(attempt: int, pending: list[str]):
-            processor = build_vlm_processor(
-                engine,
-                judge.path,
-                preprocess=functools.partial(judge_request, captions=captions, sampling=sampling),
-                postprocess=functools.partial(judge_out, attempt=attempt),
-            )
-            ds = read_pending(store.fs, shards, ["image_id", "image", "references"], pending, engine)
-            return processor(ds).map(
-                functools.partial(judge_fixed_schema, attempt=attempt), **map_task_kwargs(engine.preset)
-            )
-
-        passes = run_passes(ledger, set(captions), done, cfg.row_retries, rows_for)
-    scores = store.read_tables(store.ls(*base, SCORES, suffix=".parquet"))
+    with Lease(store, "/".join(base), what=f"the judge folder {store.url(*base)}", wait_s=cfg.lease_wait_s) as lease:
+        ledger = Ledger(
+            store,
+            base,
+            SCORES,
+            JUDGE_SCHEMA,
+            cfg.commit_rows,
+            lease=lease,
+            stall_timeout_s=cfg.stall_timeout_s,
+            what="judge",
+        )
+        done = ledger.committed()
+        if set(captions) - done:
+            passes = _judge_passes(cfg, manifest, judge, engine, store, ledger, captions, done)
+    scores = store.read_unique(store.ls(*base, SCORES, suffix=".parquet"))
     rows = scores.to_pylist() if scores is not None else []
     failures = store.read_tables(store.ls(*base, FAILURES, suffix=".parquet"))
     n_unparsed = sum(1 for r in failures.to_pylist() if r["error"].startswith("unparseable")) if failures else 0
@@ -99,3 +91,37 @@ def run_judge(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, ju
         passes=passes,
         seconds=round(time.perf_counter() - t0, 2),
     )
+
+
+def _judge_passes(
+    cfg: RunConfig,
+    manifest: Manifest,
+    judge: ResolvedModel,
+    engine: EngineSettings,
+    store: Store,
+    ledger: Ledger,
+    captions: dict[str, str],
+    done: set[str],
+):
+    ray_session(cfg)
+    shards = shard_paths(store, manifest)
+    sampling = {
+        "max_tokens": JUDGE_MAX_TOKENS,
+        "temperature": 0.0,
+        "seed": cfg.seed,
+        "structured_outputs": {"regex": JUDGE_REGEX},
+    }
+
+    def rows_for(attempt: int, pending: list[str]):
+        processor = build_vlm_processor(
+            engine,
+            judge.path,
+            preprocess=functools.partial(judge_request, captions=captions, sampling=sampling),
+            postprocess=functools.partial(judge_out, attempt=attempt),
+        )
+        ds = read_pending(store.fs, shards, ["image_id", "image", "references"], pending, engine)
+        return processor(ds).map(
+            functools.partial(judge_fixed_schema, attempt=attempt), **map_task_kwargs(engine.preset)
+        )
+
+    return run_passes(ledger, set(captions), done, cfg.row_retries, rows_for)

@@ -21,6 +21,8 @@ from typing import Optional
 import pyarrow as pa
 
 from captionflow.layout import FAILURES
+from captionflow.lease import Lease
+from captionflow.pipeline.watchdog import Watchdog
 from captionflow.results import PassResult
 from captionflow.storage import Store
 
@@ -29,18 +31,37 @@ Progress = Callable[[int, int, float], None]
 
 
 class Ledger:
-    """The committed shards of one stage's results under ``store/base``."""
+    """The committed shards of one stage's results under ``store/base``. With a ``lease``, every commit first
+    checks that this writer still holds the folder (``Lease.check``), so a writer presumed dead and replaced
+    never writes beside its replacement; readers take each ``image_id`` once anyway (``Store.read_unique``)."""
 
-    def __init__(self, store: Store, base: tuple[str, ...], ok_kind: str, schema: pa.Schema, commit_rows: int):
+    def __init__(
+        self,
+        store: Store,
+        base: tuple[str, ...],
+        ok_kind: str,
+        schema: pa.Schema,
+        commit_rows: int,
+        lease: Optional[Lease] = None,
+        stall_timeout_s: float = 1800.0,
+        what: str = "results",
+    ):
         self.store, self.base, self.ok_kind, self.schema, self.commit_rows = store, base, ok_kind, schema, commit_rows
+        self.lease, self.stall_timeout_s, self.what = lease, stall_timeout_s, what
 
     def committed(self) -> set[str]:
         return self.store.ids(self.store.ls(*self.base, self.ok_kind, suffix=".parquet"))
+
+    def commit_rows_now(self, rows: list[dict]) -> int:
+        """Commit rows that came from elsewhere (reused from another run) as one shard."""
+        return self._commit(self.ok_kind, list(rows))
 
     def _commit(self, kind: str, rows: list[dict]) -> int:
         if not rows:
             return 0
         n = len(rows)
+        if self.lease is not None:
+            self.lease.check()
         self.store.write_table(
             pa.Table.from_pylist(rows, schema=self.schema),
             *self.base,
@@ -69,13 +90,16 @@ class Ledger:
             if on_commit and t_first is not None:
                 on_commit(n_ok, n_ok / max(time.perf_counter() - t_first, 1e-9))
 
-        for row in out.iter_rows():
-            if t_first is None:
-                t_first = time.perf_counter()
-                first_row_s = round(t_first - t0, 2)
-            (failed_rows if row["error"] else ok_rows).append(row)
-            if len(ok_rows) >= self.commit_rows:
-                commit()
+        status = lambda: f"{n_ok + len(ok_rows)} {self.ok_kind} so far in this pass"
+        with Watchdog(self.what, self.stall_timeout_s, status) as watchdog:
+            for row in out.iter_rows():
+                watchdog.tick()
+                if t_first is None:
+                    t_first = time.perf_counter()
+                    first_row_s = round(t_first - t0, 2)
+                (failed_rows if row["error"] else ok_rows).append(row)
+                if len(ok_rows) >= self.commit_rows:
+                    commit()
         commit()
         n_failed = self._commit(FAILURES, failed_rows)
         return n_ok, n_failed, first_row_s

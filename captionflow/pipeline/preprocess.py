@@ -24,8 +24,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from captionflow.config import RunConfig
-from captionflow.layout import MANIFEST, QUARANTINE, SCHEMA_VERSION, SHARDS, dataset_parts
+from captionflow.errors import DatasetError
+from captionflow.layout import MANIFEST, QUARANTINE, SCHEMA_VERSION, SHARDS, dataset_parts, missing_dataset
+from captionflow.lease import Lease
 from captionflow.pipeline.session import ray_session
+from captionflow.pipeline.watchdog import Watchdog
 from captionflow.results import Counts, IngestResult, Manifest
 from captionflow.storage import Store, open_fs
 from captionflow.workers.decode import RESULT_SCHEMA, ItemProcessor, failed_rows, process_alone
@@ -289,11 +292,29 @@ def _second_chance(
 
 
 def preprocess(ing: IngestResult, cfg: RunConfig) -> Manifest:
-    """Build the dataset folder for ``ing`` (or reuse it) and return its manifest."""
+    """Build the dataset folder for ``ing`` (or reuse it) and return its manifest. Raises DatasetError when
+    no input was accepted (the folder and its quarantine are kept: they say why)."""
     store = Store(cfg.output)
     base = dataset_parts(ing.dataset_fingerprint)
     if ing.already_preprocessed:
-        return Manifest.from_json(store.read_json(*base, MANIFEST), skipped=True)
+        manifest = Manifest.from_json(store.read_json(*base, MANIFEST), skipped=True)
+    else:
+        what = f"the dataset folder {store.url(*base)}"
+        with Lease(store, "/".join(base), what=what, wait_s=cfg.lease_wait_s):
+            if not cfg.force_preprocess and missing_dataset(store, ing.dataset_fingerprint) is None:
+                manifest = Manifest.from_json(store.read_json(*base, MANIFEST), skipped=True)  # built meanwhile
+            else:
+                manifest = _build(ing, cfg, store, base)
+    if manifest.counts.accepted == 0:
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(manifest.quarantine_reasons.items()))
+        raise DatasetError(
+            f"dataset {manifest.source!r}: none of its {manifest.counts.listed} inputs was accepted "
+            f"({reasons}; see {store.url(*base, QUARANTINE)})"
+        )
+    return manifest
+
+
+def _build(ing: IngestResult, cfg: RunConfig, store: Store, base: tuple[str, ...]) -> Manifest:
     t0 = time.perf_counter()
     store.remove(*base)  # an unfinished or forced rebuild starts clean
     session = ray_session(cfg)
@@ -311,12 +332,17 @@ def preprocess(ing: IngestResult, cfg: RunConfig) -> Manifest:
         "max_pixels": params["max_input_pixels"],
         "max_bytes": params["max_input_mb"] * 2**20,
         "decode_timeout_s": cfg.decode_timeout_s,
+        "root": ing.root,
+        "allow_external_paths": cfg.allow_external_paths,
     }
     ds = _decode_stream(ing, items, item_params, session.cpu_workers(), per_task)
     results = _Results(_ShardWriter(store, base, params["shard_rows"], params["shard_mb"] * 2**20), items)
+    status = lambda: f"{results.n_rows} of {ing.n_inputs} inputs processed"
     # Batches stay Arrow tables: the driver only looks at ids and reasons, never copies pixels row by row.
-    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-        results.take(batch)
+    with Watchdog("preprocess", cfg.stall_timeout_s, status) as watchdog:
+        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            watchdog.tick()
+            results.take(batch)
     _second_chance(results, items, item_params, per_task, cfg.decode_timeout_s)
     results.writer.flush()
     store.write_table(pa.Table.from_pylist(results.quarantine, schema=QUARANTINE_SCHEMA), *base, QUARANTINE)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from captionflow.compat.cuda_mps import ensure_mps
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.presets import Preset
 from captionflow.pipeline.session import WORKER_ENV
@@ -87,7 +88,7 @@ def build_vlm_processor(engine: EngineSettings, model_path: str, preprocess: Cal
         accelerator_type=engine.accelerator_type,
         should_continue_on_error=True,
         log_engine_metrics=False,
-        runtime_env={"env_vars": {**WORKER_ENV, **engine.env}},
+        runtime_env={"env_vars": {**WORKER_ENV, **ensure_mps(engine.mps)}},
         prepare_multimodal_stage={
             **cpu_stage,
             "model_config_kwargs": {"limit_mm_per_prompt": {"image": 1, "video": 0}},

@@ -37,6 +37,8 @@ REASONS = {
     "extreme_aspect_ratio": "long side / short side over 200 (Qwen2-VL's processor refuses these), as given or once "
     "bounded",
     "duplicate": "same content hash as an input already accepted (kept once; detail names it)",
+    "refused_path": "a Parquet row's image path names a file outside the dataset's folder, a symbolic link out of "
+    "it, or a URL: never read (allow_external_paths reads it)",
 }
 
 MAX_INPUT_PIXELS = 64_000_000  # checked on the header, before any pixel is decoded
@@ -124,6 +126,29 @@ def _open_formats() -> tuple[str, ...]:
     return tuple(f for f in Image.OPEN if f not in _NOT_DECODED)
 
 
+def describe_content(data: bytes) -> str:
+    """What a rejected file is, without copying any of its bytes into an output: its size, a coarse kind
+    and a hash (the file may be anything: a secret, another user's data)."""
+    head = data[:512]
+    kinds = [
+        (b"%PDF", "a PDF"),
+        (b"PK\x03\x04", "a zip archive"),
+        (b"\x1f\x8b", "gzip data"),
+        (b"\x7fELF", "a program"),
+    ]
+    kind = next((k for magic, k in kinds if head.startswith(magic)), None)
+    if kind is None:
+        text = head.lstrip()
+        printable = sum(32 <= b < 127 or b in (9, 10, 13) for b in head) >= 0.95 * max(len(head), 1)
+        if text[:1] == b"<":
+            kind = "markup (HTML, XML or SVG)"
+        elif text[:1] in (b"{", b"["):
+            kind = "JSON-like text"
+        else:
+            kind = "text" if printable else "binary data"
+    return f"{kind}, {len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()[:16]}"
+
+
 def content_id(data: bytes) -> str:
     """Stable image id: the content hash of the original bytes."""
     return hashlib.blake2b(data, digest_size=16).hexdigest()
@@ -172,7 +197,7 @@ def normalise_image(data: bytes, max_side: int, max_input_pixels: int = MAX_INPU
             raise Rejected(
                 "decode_error", f"{fmt} signature but the header does not parse ({len(data)} bytes)"
             ) from None
-        raise Rejected("not_an_image", f"no image format recognised; content starts {data[:24]!r}") from None
+        raise Rejected("not_an_image", f"no image format recognised: {describe_content(data)}") from None
     except Exception as e:  # PIL raises various errors on a broken header
         raise Rejected("decode_error", f"{type(e).__name__}: {e}"[:300]) from None
     fmt = im.format or "unknown"

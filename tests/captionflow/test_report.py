@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from captionflow.layout import LEADERBOARD
-from captionflow.report import render_report, update_leaderboard
+from captionflow.report import read_leaderboard, render_report, update_leaderboard
 from captionflow.results import Counts, InferenceResult, Manifest
 from captionflow.storage import Store
 
@@ -30,6 +30,39 @@ def test_leaderboard_upserts_and_compares_with_previous_and_best(tmp_path):
     assert sorted((r["model"], r["cider"]) for r in rows) == [("ckpt-1", 0.5), ("ckpt-2", 0.7)]
     other = update_leaderboard(store, "other-ds", run("m3"), "ckpt-3", _metrics(0.1))
     assert other["previous"] is None and other["runs_on_dataset"] == 1  # never across datasets
+
+
+def test_comparisons_never_cross_generation_settings_and_a_missing_judge_keeps_its_score(tmp_path):
+    store = Store(str(tmp_path))
+    update_leaderboard(
+        store, "ds", ("runs", "ds", "m1", "max16"), "ckpt-1", {**_metrics(0.9), "judge": {"mean_score": 4.0}}
+    )
+    comp = update_leaderboard(store, "ds", ("runs", "ds", "m2", "max32"), "ckpt-2", _metrics(0.1))
+    assert comp["previous"] is None and comp["best_so_far"] is None  # other generation settings: no comparison
+    update_leaderboard(store, "ds", ("runs", "ds", "m1", "max16"), "ckpt-1", _metrics(0.8))  # evaluated again, no judge
+    row = next(r for r in read_leaderboard(store) if r["model_fingerprint"] == "m1")
+    assert row["cider"] == 0.8 and row["judge_mean"] == 4.0
+
+
+def _upserts(root: str, writer: int, n: int) -> None:
+    store = Store(root)
+    for i in range(n):
+        update_leaderboard(store, "ds", ("runs", "ds", f"w{writer}-{i}", "gen"), f"ckpt-{writer}-{i}", _metrics(i / n))
+
+
+def test_concurrent_writers_lose_no_row(tmp_path):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_upserts, args=(str(tmp_path), w, 40)) for w in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0
+    store = Store(str(tmp_path))
+    assert len(read_leaderboard(store)) == 80
+    assert pq.read_table(store.path(LEADERBOARD)).num_rows == 80  # the compacted view holds every row too
 
 
 def test_report_shows_counts_metrics_and_best_and_worst_captions():

@@ -43,3 +43,27 @@ def test_cli_rejects_unknown_config_keys(tmp_path, capsys):
     cfg.write_text("modle: builtin\n")
     assert main(["run", "--config", str(cfg)]) == 2
     assert "modle" in capsys.readouterr().err
+
+
+def test_a_folder_of_only_broken_files_is_not_a_result(prefect_api, tmp_path, capsys):
+    from flows.cli import main
+
+    data = tmp_path / "broken"
+    data.mkdir()
+    (data / "a.jpg").write_bytes(b"")
+    (data / "b.jpg").write_bytes(b"<html>not found</html>")
+    out = tmp_path / "out"
+    assert main(["run", "--dataset", str(data), "--output", str(out), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "none of its 2 inputs was accepted (empty_file 1, not_an_image 1" in err and "quarantine.parquet" in err
+    assert not (out / "runs").exists() and not (out / "leaderboard.parquet").exists()
+
+
+def test_a_malformed_config_file_is_one_line(tmp_path, capsys):
+    from flows.cli import main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: builtin\n  max_tokens: [16\n")
+    assert main(["run", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"captionflow: invalid parameters: config file {cfg}:2:") and "\n" not in err

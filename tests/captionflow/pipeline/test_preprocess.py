@@ -178,11 +178,16 @@ def test_parquet_dataset_with_struct_images_and_captions(tmp_path):
 
 
 def test_parquet_rows_without_embedded_bytes(tmp_path):
-    """Rows that hold an image by path only (relative to the Parquet file's folder, or absolute), a
-    path that does not exist and null images: read, or quarantined with the reason; none dropped."""
+    """Rows that hold an image by path only (relative to the Parquet file's folder, or absolute inside it), a
+    path that does not exist and null images: read, or quarantined with the reason; none dropped. A path that
+    leads out of the dataset's folder (absolute, ``..``, a symbolic link, a URL) is refused unread unless
+    allow_external_paths is set, and no byte of a refused file reaches the outputs."""
     (tmp_path / "ds" / "imgs").mkdir(parents=True)
     Image.new("RGB", (64, 48), "red").save(tmp_path / "ds" / "imgs" / "a.png")
+    Image.new("RGB", (64, 48), "green").save(tmp_path / "ds" / "imgs" / "inside.png")
     Image.new("RGB", (64, 48), "blue").save(tmp_path / "abs.png")
+    (tmp_path / "secret.txt").write_bytes(b"CANARYFILESECRET_k9Zt2 do not copy")
+    os.symlink(tmp_path / "secret.txt", tmp_path / "ds" / "imgs" / "link.png")
     struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
     recs = [
         {"image": {"bytes": None, "path": "imgs/a.png"}, "caption": "red"},
@@ -191,6 +196,10 @@ def test_parquet_rows_without_embedded_bytes(tmp_path):
         {"image": None, "caption": "null image"},
         {"image": {"bytes": None, "path": None}, "caption": "neither"},
         {"image": {"bytes": None, "path": "imgs/pipe"}, "caption": "a FIFO"},
+        {"image": {"bytes": None, "path": str(tmp_path / "ds" / "imgs" / "inside.png")}, "caption": "green"},
+        {"image": {"bytes": None, "path": "../secret.txt"}, "caption": "up and out"},
+        {"image": {"bytes": None, "path": "imgs/link.png"}, "caption": "a link out"},
+        {"image": {"bytes": None, "path": "http://127.0.0.1:9/x.png"}, "caption": "a URL"},
     ]
     os.mkfifo(tmp_path / "ds" / "imgs" / "pipe")
     pq.write_table(
@@ -201,15 +210,28 @@ def test_parquet_rows_without_embedded_bytes(tmp_path):
     m = preprocess(ingest(cfg), cfg)
     assert _outcomes(cfg, m) == {
         "train.parquet#0:imgs/a.png": ACCEPTED,
-        f"train.parquet#1:{tmp_path / 'abs.png'}": ACCEPTED,
+        f"train.parquet#1:{tmp_path / 'abs.png'}": "refused_path",
         "train.parquet#2:imgs/missing.png": "unreadable",
         "train.parquet#3": "empty_file",
         "train.parquet#4": "empty_file",
         "train.parquet#5:imgs/pipe": "unreadable",
+        f"train.parquet#6:{tmp_path / 'ds' / 'imgs' / 'inside.png'}": ACCEPTED,
+        "train.parquet#7:../secret.txt": "refused_path",
+        "train.parquet#8:imgs/link.png": "refused_path",
+        "train.parquet#9:http://127.0.0.1:9/x.png": "refused_path",
     }
     store = Store(cfg.output)
     rows = store.read_tables([store.path("datasets", m.dataset_fingerprint, "shards", s) for s in m.shards])
-    assert rows.column("references").to_pylist() == [["red"], []]
+    assert rows.column("references").to_pylist() == [["red"], ["green"]]
+    for f in (tmp_path / "out").rglob("*"):  # nothing of the secret file anywhere in the outputs
+        assert not f.is_file() or b"CANARYFILESECRET" not in f.read_bytes(), f
+
+    allowed = cfg.model_copy(update={"allow_external_paths": True, "output": str(tmp_path / "out2")})
+    outcomes = _outcomes(allowed, preprocess(ingest(allowed), allowed))
+    assert outcomes[f"train.parquet#1:{tmp_path / 'abs.png'}"] == ACCEPTED
+    assert outcomes["train.parquet#7:../secret.txt"] == "not_an_image"  # read when allowed; its bytes still not copied
+    for f in (tmp_path / "out2").rglob("*"):
+        assert not f.is_file() or b"CANARYFILESECRET" not in f.read_bytes(), f
 
 
 def test_parquet_corrupt_row_group_quarantines_its_rows_only(tmp_path):

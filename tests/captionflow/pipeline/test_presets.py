@@ -31,7 +31,7 @@ def test_engine_settings_take_the_preset_then_the_runs_overrides(builtin_model_d
     assert e.engine_kwargs["enforce_eager"] is True and e.engine_kwargs["mm_processor_kwargs"] == {
         "max_pixels": CPU.max_pixels
     }
-    assert e.gpu_share == 0 and e.env == {}
+    assert e.gpu_share == 0 and e.mps == "off"
     cfg = RunConfig(
         batch_size=3, max_pixels=56 * 56, max_num_seqs=4, engine_kwargs={"enforce_eager": False, "max_num_seqs": 5}
     )
