@@ -21,3 +21,10 @@ class RowsFailed(CaptionflowError, RuntimeError):
     def __init__(self, message: str, result):
         super().__init__(message)
         self.result = result
+
+
+class EngineFailed(CaptionflowError, RuntimeError):
+    """The engine (or its Ray actor) failed while starting or running; the message carries the root cause.
+    Worth one more try (a node, an accelerator, a port can fail for a while), so not a bad-input error."""
+
+    transient = True

@@ -13,6 +13,7 @@ rows must also be routed by outcome and retried pass by pass, on any fsspec stor
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from typing import Optional
 
 import pyarrow as pa
 
+from captionflow.errors import CaptionflowError, EngineFailed
 from captionflow.layout import FAILURES
 from captionflow.lease import Lease
 from captionflow.pipeline.watchdog import Watchdog
@@ -28,6 +30,28 @@ from captionflow.storage import Store
 
 # progress(done, total, rows per second since the pass's first result): after every commit
 Progress = Callable[[int, int, float], None]
+
+
+_ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?(\w*(?:Error|Exception|Exit)\w*): (.+)$")
+
+
+def root_cause(e: BaseException) -> str:
+    """The innermost error named in a Ray exception's text (an engine actor's traceback ends with it), e.g.
+    ``SafetensorError: invalid header length``, with the lines that continue its message, instead of the
+    wrapper (``ActorDiedError: ...``)."""
+    lines = str(e).splitlines()
+    found = [i for i, line in enumerate(lines) if _ERROR_LINE.match(line)]
+    if not found:
+        last = next((line.strip() for line in reversed(lines) if line.strip()), "")
+        return f"{type(e).__name__}: {last[:400]}"
+    i = found[-1]
+    name, message = _ERROR_LINE.match(lines[i]).groups()
+    rest = []
+    for line in lines[i + 1 : i + 4]:
+        if not line.strip() or line.lstrip().startswith(("File ", "Traceback")):
+            break
+        rest.append(line.strip())
+    return f"{name}: {' '.join([message.strip(), *rest])[:400]}"
 
 
 class Ledger:
@@ -91,15 +115,21 @@ class Ledger:
                 on_commit(n_ok, n_ok / max(time.perf_counter() - t_first, 1e-9))
 
         status = lambda: f"{n_ok + len(ok_rows)} {self.ok_kind} so far in this pass"
-        with Watchdog(self.what, self.stall_timeout_s, status) as watchdog:
-            for row in out.iter_rows():
-                watchdog.tick()
-                if t_first is None:
-                    t_first = time.perf_counter()
-                    first_row_s = round(t_first - t0, 2)
-                (failed_rows if row["error"] else ok_rows).append(row)
-                if len(ok_rows) >= self.commit_rows:
-                    commit()
+        try:
+            with Watchdog(self.what, self.stall_timeout_s, status) as watchdog:
+                for row in out.iter_rows():
+                    watchdog.tick()
+                    if t_first is None:
+                        t_first = time.perf_counter()
+                        first_row_s = round(t_first - t0, 2)
+                    (failed_rows if row["error"] else ok_rows).append(row)
+                    if len(ok_rows) >= self.commit_rows:
+                        commit()
+        except CaptionflowError:
+            raise
+        except Exception as e:  # the pipeline itself failed (an engine that would not start, an actor that died)
+            commit()  # what arrived is kept
+            raise EngineFailed(f"{self.what}: {root_cause(e)} ({n_ok} rows committed in this pass are kept)") from e
         commit()
         n_failed = self._commit(FAILURES, failed_rows)
         return n_ok, n_failed, first_row_s

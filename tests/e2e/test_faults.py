@@ -94,3 +94,23 @@ def test_a_run_whose_rows_all_fail_fails_and_is_not_a_result(prefect_api, tmp_pa
     err = capsys.readouterr().err
     assert "run failed: 2 of 2 rows (100%) failed" in err and "max_failure_rate" in err
     assert not (out / "leaderboard.parquet").exists() and not (out / "leaderboard").exists()
+
+
+def test_an_engine_that_cannot_start_fails_the_run_with_its_root_cause(prefect_api, tmp_path, capsys):
+    from flows.cli import main
+
+    data = _subset(tmp_path / "two", sorted(DEMO_CAPTIONS)[:2])
+    # an engine argument vLLM knows (so the preflight lets it through) with a value its engine refuses at start
+    args = [
+        "run",
+        "--dataset",
+        str(data),
+        "--output",
+        str(tmp_path / "out"),
+        *SMALL,
+        "--engine-kwargs",
+        '{"max_num_batched_tokens": 1}',
+    ]
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("captionflow: run failed: inference: ValidationError") and "max_num_batched_tokens" in err

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from captionflow.errors import DatasetError, ModelError, RowsFailed
+from captionflow.errors import DatasetError, EngineFailed, ModelError, RowsFailed
 from tasks.retry import retry_transient
 
 
@@ -19,7 +19,14 @@ class _State:
 
 
 @pytest.mark.parametrize(
-    "exc", [ConnectionError("reset"), TimeoutError("slow"), OSError(5, "I/O error"), RuntimeError("engine died")]
+    "exc",
+    [
+        ConnectionError("reset"),
+        TimeoutError("slow"),
+        OSError(5, "I/O error"),
+        RuntimeError("engine died"),
+        EngineFailed("inference: RuntimeError: CUDA error: an illegal memory access"),
+    ],
 )
 def test_transient_faults_are_retried(exc):
     assert retry_transient(None, None, _State(exc)) is True
@@ -36,6 +43,8 @@ def test_transient_faults_are_retried(exc):
         FileNotFoundError("gone"),
         PermissionError("denied"),
         AssertionError("broken"),
+        OSError(28, "No space left on device"),
+        OSError(30, "Read-only file system"),
     ],
 )
 def test_permanent_faults_are_not(exc):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pyarrow.parquet as pq
+import pytest
 
 from captionflow.layout import CAPTIONS, FAILURES
 from captionflow.pipeline.ledger import Ledger, run_passes
@@ -90,3 +91,26 @@ def test_rows_failing_every_pass_stay_pending(tmp_path):
         rows_for=lambda attempt, pending: Rows([_row(i, attempt, "no" if i == "y" else "") for i in pending]),
     )
     assert [p.sent for p in passes] == [2, 1] and done == {"x"}
+
+
+class Broken(Rows):
+    """A pipeline whose engine dies after some rows (or never starts): Ray raises from the iterator."""
+
+    def iter_rows(self):
+        yield from self.rows
+        raise RuntimeError(
+            "ray.exceptions.ActorDiedError: The actor died because of an error raised in its creation task\n"
+            '  File "engine.py", line 9, in __init__\n'
+            "safetensors_rust.SafetensorError: Error while deserializing header: invalid header length"
+        )
+
+
+def test_a_failing_engine_keeps_what_arrived_and_names_the_root_cause(tmp_path):
+    from captionflow.errors import EngineFailed
+
+    store = Store(str(tmp_path))
+    ledger = Ledger(store, ("run",), CAPTIONS, CAPTION_SCHEMA, commit_rows=10, what="inference")
+    done: set[str] = set()
+    with pytest.raises(EngineFailed, match=r"^inference: SafetensorError: Error while deserializing header: invalid"):
+        ledger.drain(Broken([_row("a", 0), _row("b", 0)]), done)
+    assert done == {"a", "b"} and ledger.committed() == {"a", "b"}  # committed before the failure surfaced
