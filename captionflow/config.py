@@ -188,6 +188,20 @@ class RunConfig(BaseModel):
         description="Preprocess and inference log what they wait on every minute; one that went this long "
         "without a single result fails with what it was waiting for.",
     )
+    warm_engines: Literal["auto", "off", "require"] = Field(
+        "auto",
+        title="Use the warm engine service",
+        description="auto: when a warm engine service runs (captionflow serve, on this machine or on the Ray "
+        "cluster), caption through it - the checkpoint is swapped into the running engine instead of starting one; "
+        "off: always start the run's own engines; require: fail when no service runs.",
+    )
+    compile_cache_dir: Optional[str] = Field(
+        None,
+        title="vLLM compile cache folder",
+        description="Where engines keep their compiled graphs, keyed on the architecture and engine settings (not "
+        "the checkpoint's path): every checkpoint of an architecture reuses them. Default: "
+        "<captionflow cache>/vllm-compile; a shared volume lets a fresh node start warm.",
+    )
     placement_wait_s: int = Field(
         300,
         ge=0,

@@ -184,7 +184,9 @@ class Lease:
                     ttl_s=self.ttl_s,
                     token=uuid.uuid4().hex,
                 )
-                if self._write(top + 1, me, exclusive=True):
+                # the token read back: a store whose conditional write is not atomic under contention (seen with
+                # a test S3 server) may let two writers "win"; only the one whose lease is there holds it
+                if self._write(top + 1, me, exclusive=True) and getattr(self._read(top + 1), "token", "") == me.token:
                     self.number, self.holder = top + 1, me
                     self._start_heartbeat()
                     self._forget_below(top + 1)

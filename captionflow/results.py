@@ -104,6 +104,7 @@ class InferenceResult:
     passes: list[PassResult]
     timings_s: dict[str, float]
     reused: int = 0  # captions of the same images taken from other run folders of this checkpoint and settings
+    engines: str = "per-run"  # "per-run", or "warm (loaded|swapped|replaced)": the warm engine service
 
 
 @dataclass
@@ -159,6 +160,7 @@ class RunSummary:
     passes: list[dict]
     report: str
     reused: int = 0
+    engines: str = "per-run"
 
     @classmethod
     def build(
@@ -207,6 +209,7 @@ class RunSummary:
             ],
             report=evaluation.report,
             reused=inference.reused,
+            engines=inference.engines,
         )
 
     def to_dict(self) -> dict:

@@ -149,6 +149,64 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Start the warm engine service (foreground on a local Ray, detached on a cluster), or stop or show it."""
+    import math
+    import signal
+    import time
+
+    from captionflow.pipeline import service
+    from captionflow.pipeline.session import cluster_address, ray_session
+
+    cfg = _config(args)
+    if args.stop or args.status:
+        if cluster_address(cfg) is None:
+            print("no warm engine service runs here")
+            return 0
+        ray_session(cfg)
+        info = service.stop_service() if args.stop else service.describe()
+        if info is None:
+            print("no warm engine service runs here")
+        else:
+            print(("stopped: " if args.stop else "") + json.dumps(info, indent=2, sort_keys=True, default=str))
+        return 0
+    if cfg.ray_address is None and os.environ.get("RAY_ADDRESS") is None and service.local_service_address():
+        raise _UserError(f"a warm engine service already runs on this machine ({service.service_file()})")
+    from captionflow.pipeline.presets import PRESETS, local_ray_cpus
+    from captionflow.preflight import preflight
+
+    checked = _flow_call(preflight, cfg=cfg.model_copy(update={"warm_engines": "off"}))
+    preset = PRESETS[checked.engine.preset.name]
+    # a local Ray with room for the service's engine beside a whole run's pipeline
+    cpus = cfg.ray_num_cpus or local_ray_cpus(preset, 1) + math.ceil(preset.engine_cpus)
+    session = ray_session(cfg.model_copy(update={"ray_num_cpus": cpus, "warm_engines": "off"}))
+    service.start_service(checked.model, checked.engine, args.idle_timeout, session.address)
+    print(
+        f"warm engines ready: {checked.model.source} ({checked.engine.preset.name}); runs use them while this "
+        "runs; stop with: captionflow serve --stop",
+        flush=True,
+    )
+    if not session.local:
+        return 0  # on a cluster the service lives on without this process
+    stop = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.append(True))
+    try:
+        while not stop and service.describe() is not None:
+            time.sleep(2)
+    finally:
+        try:
+            service.stop_service()
+        except Exception:
+            pass
+        service.service_file().unlink(missing_ok=True)
+        import ray
+
+        ray.shutdown()
+    print("warm engines stopped")
+    return 0
+
+
 def cmd_watch(args: argparse.Namespace) -> int:
     import time
 
@@ -216,6 +274,17 @@ def main(argv: list[str] | None = None) -> int:
     dep.add_argument("--image", help="container image with captionflow installed (kubernetes/docker pools)")
     _add_config_options(dep)
     dep.set_defaults(func=cmd_deploy)
+    srv = sub.add_parser(
+        "serve", help="keep a warm vLLM engine between runs: runs swap their checkpoint into it instead of starting one"
+    )
+    srv.add_argument("--config", help="YAML file of parameters: the model and engine settings to start with")
+    srv.add_argument(
+        "--idle-timeout", type=float, default=1800, help="seconds without a run before it stops (0: never)"
+    )
+    srv.add_argument("--stop", action="store_true", help="stop the running service")
+    srv.add_argument("--status", action="store_true", help="show what the running service has loaded and who uses it")
+    _add_config_options(srv)
+    srv.set_defaults(func=cmd_serve)
     w = sub.add_parser("watch", help="announce new checkpoints under a storage prefix as Prefect events")
     w.add_argument("prefix", help="local folder or s3:// prefix holding checkpoint folders")
     w.add_argument(

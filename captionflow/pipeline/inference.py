@@ -24,6 +24,7 @@ from captionflow.fingerprint import generation_fingerprint
 from captionflow.layout import CAPTIONS, run_parts, shard_paths
 from captionflow.lease import Lease
 from captionflow.model_source import ResolvedModel
+from captionflow.pipeline import service
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.ledger import Ledger, Progress, run_passes
 from captionflow.pipeline.processor import build_vlm_processor, map_task_kwargs, read_pending
@@ -84,6 +85,7 @@ def run_inference(
     all_ids = store.ids(shards)
     timings: dict[str, float] = {}
     passes = []
+    engines = "per-run"
     with Lease(store, "/".join(run), what=f"the run folder {store.url(*run)}", wait_s=cfg.lease_wait_s) as lease:
         store.write_json(
             {
@@ -116,8 +118,12 @@ def run_inference(
             t0 = time.perf_counter()
             ray_session(cfg)
             timings["ray_init_s"] = round(time.perf_counter() - t0, 2)
-            rows_for = _caption_rows(cfg, model, engine, store, shards)
-            passes = run_passes(ledger, all_ids, done, cfg.row_retries, rows_for, progress)
+            with service.for_run(cfg, model, engine) as warm:
+                if warm is not None:
+                    engines = f"warm ({warm.how})"
+                    timings["warm_engine_s"] = warm.seconds
+                rows_for = _caption_rows(cfg, model, engine, store, shards, warm)
+                passes = run_passes(ledger, all_ids, done, cfg.row_retries, rows_for, progress)
             timings["inference_s"] = round(time.perf_counter() - t_start, 2)
     captioned = len(done & all_ids)
     result = InferenceResult(
@@ -130,6 +136,7 @@ def run_inference(
         passes=passes,
         timings_s=timings,
         reused=reused,
+        engines=engines,
     )
     if result.failed:
         share = result.failed / max(result.accepted, 1)
@@ -147,7 +154,9 @@ def run_inference(
     return result
 
 
-def _caption_rows(cfg: RunConfig, model: ResolvedModel, engine: EngineSettings, store: Store, shards: list[str]):
+def _caption_rows(
+    cfg: RunConfig, model: ResolvedModel, engine: EngineSettings, store: Store, shards: list[str], warm=None
+):
     """``rows_for(attempt, pending)``: the Ray dataset of caption rows for one pass."""
     inject = frozenset(x for x in os.environ.get(INJECT_ENV, "").split(",") if x)
     sampling = {
@@ -172,6 +181,7 @@ def _caption_rows(cfg: RunConfig, model: ResolvedModel, engine: EngineSettings, 
             postprocess=functools.partial(
                 to_caption, max_tokens=cfg.max_tokens, model_fp=model.fingerprint, attempt=attempt
             ),
+            warm=warm,
         )
         ds = read_pending(store.fs, shards, ["image_id", "image"], pending, engine)
         return processor(ds).map(

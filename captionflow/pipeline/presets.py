@@ -5,8 +5,11 @@ with ``max(physical cores, ceil(sum of the declared shares) + 1)`` logical CPUs,
 can be placed at once on a small machine (``pipeline/session.py``; docs/sizing.md). The shares are
 bookkeeping: the busy process is the vLLM engine, which sizes its own threads to the physical cores.
 
-The GPU preset runs several engine replicas per GPU (``engines_per_gpu``, see ``pipeline/engine.py``)
-so that several front-end processes share the image processing.
+The GPU preset runs one engine per GPU: one engine reads the weights once per decoding step for every
+sequence in flight, where several engines on one GPU each read them for their own smaller batches. Its
+front end processes images on ``renderer_workers`` threads (vLLM's renderer pool), fed by Ray Data's CPU
+stages spread over the host (image decoding in PrepareMultimodalStage actors, chat templates). The
+sizing rule for other GPUs and hosts is in docs/sizing.md; ``engines_per_gpu`` still sets several.
 """
 
 from __future__ import annotations
@@ -42,10 +45,12 @@ class Preset:
     max_engines_per_gpu: int = 1
     kv_cache_bytes: int = 0  # fixed KV cache of each engine when several share a GPU
     engine_overhead_bytes: int = 0  # activations, CUDA graphs, vision encoder workspace per engine
-    # Batches Ray Data hands each engine actor at once (None: Ray's default, 2 x max_concurrent_batches).
-    # Equal to max_concurrent_batches, the remaining batches wait in Ray Data's queue and go to whichever
-    # engine frees a slot first, instead of piling up behind the first engine that finished starting.
+    # Batches Ray Data hands each engine actor at once (None: Ray's default, 2 x max_concurrent_batches):
+    # enough queued behind the batches in flight that the engine's queue never runs dry between them.
     max_tasks_in_flight_per_actor: int | None = None
+    # Threads of the engine front end that process images (vLLM's renderer_num_workers); 0: one per two of
+    # the host's cores per GPU, between 2 and 16.
+    renderer_workers: int = 1
 
 
 CPU = Preset(
@@ -70,21 +75,21 @@ GPU = Preset(
     name="gpu",
     batch_size=32,
     concurrency=1,
-    max_concurrent_batches=12,
-    max_num_seqs=256,
+    max_concurrent_batches=16,
+    max_num_seqs=512,
     max_model_len=4096,
     max_pixels=448 * 448,
     cpu_stage_cpus=1.0,
     map_cpus=0.5,
     map_concurrency=4,
-    engine_cpus=2.0,
+    engine_cpus=4.0,
     engine_gpus=1,
     # tokenize in the engine, from the chat-templated text, as raw vLLM does: two fewer Ray actors per
     # pipeline; tokenising is a small part of the engine's input processing.
     tokenize_in_ray=False,
     # max_num_batched_tokens: vLLM's default depends on who builds the engine - 16384 on an H100 for
     # vllm.LLM, 2048 for the AsyncLLM that Ray Data LLM builds - so an image prompt (~300 tokens)
-    # prefills a few at a time per step unless it is set. engine_cpus 2: Ray gives each engine actor
+    # prefills a few at a time per step unless it is set. engine_cpus: Ray gives each engine actor
     # OMP_NUM_THREADS = its CPUs, and the image processor's torch ops run on them.
     # prefix caching: every request starts with the same system prompt; chunked prefill: long image
     # prompts do not stall running decodes; no processor cache: every image is new (it only costs hashing).
@@ -95,12 +100,12 @@ GPU = Preset(
         "mm_processor_cache_gb": 0,
         "max_num_batched_tokens": 16384,
     },
-    cpu_stage_concurrency=4,
-    max_engines_per_gpu=4,
-    kv_cache_bytes=4 * 2**30,
+    cpu_stage_concurrency=8,
+    max_engines_per_gpu=1,
+    kv_cache_bytes=4 * 2**30,  # each engine's when several share a GPU (engines_per_gpu > 1)
     engine_overhead_bytes=4 * 2**30,
-    # 12 batches of 32 per engine: max_num_seqs running plus half as many waiting, and no more (see above).
-    max_tasks_in_flight_per_actor=12,
+    max_tasks_in_flight_per_actor=32,  # 16 batches of 32 in flight, 16 more queued behind them
+    renderer_workers=0,
 )
 PRESETS = {"cpu": CPU, "gpu": GPU}
 

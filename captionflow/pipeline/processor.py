@@ -11,6 +11,7 @@ out with ``__inference_error__`` instead of failing the batch (``should_continue
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -58,7 +59,9 @@ def read_pending(fs, shard_paths: list[str], columns: list[str], pending: list[s
     return ds.repartition(target_num_rows_per_block=engine.batch_size)
 
 
-def build_vlm_processor(engine: EngineSettings, model_path: str, preprocess: Callable, postprocess: Callable):
+def build_vlm_processor(
+    engine: EngineSettings, model_path: str, preprocess: Callable, postprocess: Callable, warm=None
+):
     """A Ray Data LLM processor for one VLM: ``preprocess`` turns a dataset row into a request,
     ``postprocess`` the engine's answer into a result row."""
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
@@ -81,7 +84,7 @@ def build_vlm_processor(engine: EngineSettings, model_path: str, preprocess: Cal
         )
     config = vLLMEngineProcessorConfig(
         model_source=model_path,
-        engine_kwargs=engine.engine_kwargs,
+        engine_kwargs=copy.deepcopy(engine.engine_kwargs),  # Ray Data LLM adds to the dict it is given
         batch_size=engine.batch_size,
         concurrency=concurrency,
         max_concurrent_batches=engine.max_concurrent_batches,
@@ -99,8 +102,41 @@ def build_vlm_processor(engine: EngineSettings, model_path: str, preprocess: Cal
         **extra,
     )
     map_kwargs = map_task_kwargs(preset)
+    if warm is not None:  # the same settings; the stages run warm in the service's replica (warm_stage.py)
+        return _warm_processor(config, warm, engine, preprocess, postprocess, map_kwargs)
     return build_processor(
         config,
+        preprocess=preprocess,
+        postprocess=postprocess,
+        preprocess_map_kwargs=map_kwargs,
+        postprocess_map_kwargs=map_kwargs,
+    )
+
+
+def _warm_processor(config, warm, engine: EngineSettings, preprocess, postprocess, map_kwargs: dict):
+    """A Ray Data LLM Processor whose one stage hands the request rows to the warm engine service."""
+    import ray.data
+    from ray.llm._internal.batch.processor.base import Processor
+
+    from captionflow.pipeline.warm_stage import WarmEngineStage
+
+    stage = WarmEngineStage(
+        fn_constructor_kwargs={
+            "app_name": warm.app,
+            "deployment_name": warm.deployment,
+            "model_fingerprint": warm.model_fingerprint,
+        },
+        map_batches_kwargs={
+            "zero_copy_batch": True,
+            "num_cpus": engine.preset.map_cpus,
+            "compute": ray.data.ActorPoolStrategy(size=1),
+            "max_concurrency": engine.max_concurrent_batches,
+            "runtime_env": {"env_vars": dict(WORKER_ENV)},
+        },
+    )
+    return Processor(
+        config,
+        [stage],
         preprocess=preprocess,
         postprocess=postprocess,
         preprocess_map_kwargs=map_kwargs,

@@ -43,8 +43,16 @@ LOCAL_RAY_ENV = {"RAY_enable_metrics_collection": "0"}
 
 
 def cluster_address(cfg: RunConfig) -> Optional[str]:
-    """The Ray cluster to use (None: a local Ray)."""
-    return cfg.ray_address or os.environ.get("RAY_ADDRESS") or None
+    """The Ray cluster to use: ``ray_address``, else ``RAY_ADDRESS``, else the Ray of a warm engine service
+    running on this machine (unless ``warm_engines`` is off); None: a local Ray of the run's own."""
+    explicit = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+    if explicit:
+        return explicit
+    if cfg.warm_engines != "off":
+        from captionflow.pipeline.service_address import local_service_address
+
+        return local_service_address()
+    return None
 
 
 @dataclass
@@ -79,8 +87,12 @@ class RaySession:
         return max(1.0, self.resources().get("CPU", physical) / physical)
 
     def cpu_workers(self) -> int:
-        """How many CPU-bound workers (one per physical core, or per cluster CPU) fit at once."""
-        return max(1, int(self.resources().get("CPU", 1) / self.cpu_task_share()))
+        """How many CPU-bound workers (one per physical core, or per cluster CPU) fit at once, in what the
+        cluster has free now (a warm engine service holds CPUs of its own)."""
+        import ray
+
+        free = min(self.resources().get("CPU", 1), ray.available_resources().get("CPU", 1))
+        return max(1, int(free / self.cpu_task_share()))
 
 
 _SESSION: list[RaySession] = []  # the process's session, once there is one

@@ -51,14 +51,13 @@ def test_weightless_folder_needs_dummy_load_format(standin):
     assert resolve_model(str(standin), dummy_weights=True).architecture == "Qwen2_5_VLForConditionalGeneration"
 
 
-def test_engines_per_gpu_follows_weights_and_memory(standin):
+def test_one_engine_per_gpu_unless_asked_for_more(standin):
     gib = 2**30
     weights = model_weight_bytes(str(standin))
     assert weights == json.loads((standin / "captionflow_model.json").read_text())["parameters"] * 2
-    assert engines_per_gpu(GPU, weights, 80 * gib) == 4  # 3B on an 80 GB GPU
-    assert engines_per_gpu(GPU, 15 * gib, 80 * gib) == 3  # a 7B
-    assert engines_per_gpu(GPU, 60 * gib, 80 * gib) == 1
+    assert engines_per_gpu(GPU, weights, 80 * gib) == 1  # one engine reads the weights once per step for all
+    assert engines_per_gpu(GPU, 15 * gib, 80 * gib) == 1
     assert engines_per_gpu(GPU, weights, 80 * gib, tensor_parallel_size=2) == 1
-    assert engines_per_gpu(GPU, weights, 80 * gib, override=2) == 2
+    assert engines_per_gpu(GPU, weights, 80 * gib, override=2) == 2  # several, when asked
     assert engines_per_gpu(CPU, weights, 80 * gib) == 1
-    assert engines_per_gpu(GPU, None, 80 * gib) == 1  # unknown size: the safe layout
+    assert engines_per_gpu(GPU, None, 80 * gib) == 1

@@ -41,11 +41,32 @@ def test_engine_settings_take_the_preset_then_the_runs_overrides(builtin_model_d
     assert e.engine_kwargs["enforce_eager"] is False and e.engine_kwargs["max_num_seqs"] == 5  # engine_kwargs win
 
 
-def test_gpu_engine_layout_follows_the_cluster_and_the_weights(builtin_model_dir):
-    model = resolve_model("builtin")  # ~1M parameters: four engines fit on any GPU
+def test_gpu_layout_is_one_engine_per_gpu_fed_by_renderer_threads(builtin_model_dir):
+    model = resolve_model("builtin")
     e = resolve_engine(RunConfig(gpu_memory_gib=80, cuda_mps="off"), model, GPU, gpus=2, local_ray=True)
-    assert e.engines_per_gpu == GPU.max_engines_per_gpu and e.concurrency == 2 * GPU.max_engines_per_gpu
-    assert e.gpu_share == 1 / GPU.max_engines_per_gpu
-    assert e.engine_kwargs["kv_cache_memory_bytes"] == GPU.kv_cache_bytes
-    one = resolve_engine(RunConfig(engines_per_gpu=1, gpu_memory_gib=80), model, GPU, gpus=2)
-    assert one.engines_per_gpu == 1 and one.concurrency == 2 and "kv_cache_memory_bytes" not in one.engine_kwargs
+    assert e.engines_per_gpu == 1 and e.concurrency == 2 and e.gpu_share == 1.0  # every GPU of the cluster
+    assert "kv_cache_memory_bytes" not in e.engine_kwargs  # one engine per GPU sizes its KV cache itself
+    assert e.engine_kwargs["renderer_num_workers"] >= 2 and e.engine_kwargs["mm_processor_cache_gb"] == 0
+    assert e.engine_kwargs["compilation_config"]["cache_dir"].endswith(
+        model.architecture + "/" + e.engine_kwargs["compilation_config"]["cache_dir"].rsplit("/", 1)[-1]
+    )
+    several = resolve_engine(RunConfig(engines_per_gpu=4, gpu_memory_gib=80, cuda_mps="off"), model, GPU, gpus=2)
+    assert several.engines_per_gpu == 4 and several.concurrency == 8 and several.gpu_share == 0.25
+    assert several.engine_kwargs["kv_cache_memory_bytes"] == GPU.kv_cache_bytes  # fixed: they share the GPU
+
+
+def test_compiled_graphs_are_keyed_on_the_architecture_not_the_checkpoint_path(builtin_model_dir, tmp_path):
+    import shutil
+
+    from captionflow.builtin.model import build_builtin_model
+
+    a = resolve_model("builtin")
+    b = resolve_model(str(build_builtin_model(tmp_path / "step-2000", seed=1)))  # other weights, same architecture
+    copy = tmp_path / "copy"
+    shutil.copytree(a.path, copy)
+    cache = lambda m, **o: resolve_engine(RunConfig(gpu_memory_gib=80, **o), m, GPU, gpus=1).engine_kwargs[
+        "compilation_config"
+    ]["cache_dir"]
+    assert cache(a) == cache(b) == cache(resolve_model(str(copy)))  # any checkpoint, any path: the same graphs
+    assert cache(a, max_model_len=2048) != cache(a)  # other engine settings: other graphs
+    assert cache(a, compile_cache_dir=str(tmp_path / "shared")).startswith(str(tmp_path / "shared"))

@@ -1,0 +1,98 @@
+"""What runs inside a warm engine: a Ray Serve replica holding the stages of a Ray Data LLM processor.
+
+``CaptionEngine`` builds the very processor a run builds (``processor.build_vlm_processor``: Ray Data LLM's
+``build_processor`` with captionflow's settings) and instantiates its stages' own UDFs - multimodal
+preparation, chat template, the vLLM engine - once, in this process. A batch of request rows then goes
+through them exactly as Ray Data would send it through the stage actors of a run, so a warm run's
+captions equal a cold run's, while nothing is imported, loaded or compiled again. It outlives runs
+(``pipeline/service.py``) and swaps checkpoints of the same architecture in place with vLLM's
+``reload_weights``; ``weights_digest`` reads back a slice of the loaded embedding so a swap is checked
+against the checkpoint's file before use. Every row it returns carries the fingerprint of the checkpoint
+that produced it (``served_by``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+DATA = "__data"
+DIGEST_ROWS = 64  # embedding rows compared after a swap
+
+
+def _embedding_digest(worker, rows: int = DIGEST_ROWS) -> tuple[str, str]:
+    """Runs in each vLLM worker (``collective_rpc``): (dtype, sha256) of the first ``rows`` rows of the token
+    embedding as loaded. Rows 0..rows sit in rank 0's shard under tensor parallelism."""
+    import torch
+
+    for name, param in worker.model_runner.model.named_parameters():
+        if name.endswith("embed_tokens.weight"):
+            part = param.detach()[:rows].to("cpu").contiguous()
+            return str(part.dtype).replace("torch.", ""), hashlib.sha256(part.view(torch.uint8).numpy()).hexdigest()
+    return "", ""
+
+
+def checkpoint_digest(model_path: str, dtype: str, rows: int = DIGEST_ROWS) -> str:
+    """The same digest computed from a checkpoint's safetensors files, cast to the engine's dtype."""
+    from pathlib import Path
+
+    import torch
+    from safetensors import safe_open
+
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():  # noqa: SIM118 - safe_open handles are not containers
+                if key.endswith("embed_tokens.weight"):
+                    part = fh.get_slice(key)[:rows].to(getattr(torch, dtype)).contiguous()
+                    return hashlib.sha256(part.view(torch.uint8).numpy()).hexdigest()
+    return ""
+
+
+class CaptionEngine:
+    """A Ray Serve deployment class: a run's processor stages, kept warm between runs."""
+
+    def __init__(self, model_path: str, model_fingerprint: str, engine):
+        from captionflow.pipeline.processor import build_vlm_processor
+
+        t0 = time.perf_counter()
+        processor = build_vlm_processor(engine, model_path, preprocess=None, postprocess=None)
+        self.udfs = []
+        for stage in processor.stages.values():
+            kwargs = stage.get_dataset_map_batches_kwargs(batch_size=engine.batch_size, data_column=DATA)
+            self.udfs.append(stage.fn(**kwargs["fn_constructor_kwargs"]))
+        self.llm = self.udfs[-1].llm  # the engine stage's vLLM engine wrapper
+        self.model_path, self.model_fingerprint = model_path, model_fingerprint
+        self.started_s = round(time.perf_counter() - t0, 2)
+
+    async def caption_batch(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Request rows (what a run's preprocess gives) through every stage; the engine's output rows."""
+        served_by = self.model_fingerprint
+        for udf in self.udfs:
+            async for out in udf({DATA: rows}):
+                rows = out[DATA]
+        for row in rows:
+            row["served_by"] = served_by
+        return rows
+
+    async def reload(self, model_path: str, model_fingerprint: str) -> float:
+        """Load another checkpoint of the same architecture into the running engine; returns the seconds."""
+        t0 = time.perf_counter()
+        self.model_fingerprint = ""  # nothing this replica serves from now until the swap ends is attributed
+        engine = self.llm.engine
+        await engine.collective_rpc("reload_weights", kwargs={"weights_path": model_path})
+        # what the engine computed with the old weights must go: the prefix cache (the system prompt's KV) and
+        # the image encoder's outputs (the same images come again) would be reused for the new ones
+        await engine.reset_prefix_cache()
+        await engine.reset_encoder_cache()
+        await engine.reset_mm_cache()
+        self.model_path, self.model_fingerprint = model_path, model_fingerprint
+        return round(time.perf_counter() - t0, 3)
+
+    async def weights_digest(self) -> tuple[str, str]:
+        """(dtype, digest) of the loaded embedding (rank 0)."""
+        results = await self.llm.engine.collective_rpc(_embedding_digest)
+        return tuple(results[0])
+
+    async def loaded(self) -> dict[str, Any]:
+        return {"model_path": self.model_path, "model_fingerprint": self.model_fingerprint, "started_s": self.started_s}

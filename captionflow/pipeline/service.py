@@ -1,0 +1,425 @@
+"""Warm engines: a vLLM engine that outlives runs and swaps checkpoints instead of starting again.
+
+Why: for a golden set, a run's verdict is mostly start-up (importing vLLM, loading and compiling the
+engine); the captioning itself takes seconds. The service keeps the engine up between runs.
+
+What it is: a Ray Serve application (``captionflow``) with one deployment (``caption-engine``) whose
+replica holds Ray Data LLM's own vLLM engine wrapper (``engine_server.CaptionEngine``), and a detached
+controller actor (``captionflow-service`` in namespace ``captionflow``) that knows what is loaded, hands the
+engine to one run at a time (a lease: a run waits, saying for whom), and gives the GPU back after
+``idle_timeout_s`` without a run. Runs stay Ray Data LLM pipelines: the processor is the one
+``build_processor`` makes, with its engine stage pointed at the service (``warm_stage.py``), so the rows
+and the engine code are the same as a run's own engine and the captions equal a cold run's.
+
+A run whose checkpoint has the loaded architecture and engine settings (``engine_spec``) has its weights
+loaded into the running engine (vLLM ``reload_weights``), checked against the checkpoint's file
+(``engine_server.checkpoint_digest``), and the engine is replaced if the check fails; another architecture
+or other settings replace the engine. Each caption row records the checkpoint that served it.
+
+Lifecycle: ``captionflow serve`` starts it (on a local Ray it stays in the foreground, owning that Ray,
+and writes ``<cache>/service.json`` so that runs on this machine find it; on a cluster it detaches);
+``captionflow serve --stop`` stops it. Runs use it when it is there (``warm_engines``: auto / off / require).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import hashlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from captionflow.errors import CaptionflowError, EngineFailed
+from captionflow.fingerprint import digest
+from captionflow.model_source import ResolvedModel
+from captionflow.pipeline.engine import EngineSettings
+from captionflow.pipeline.service_address import alive, local_service_address, service_file
+from captionflow.pipeline.session import WORKER_ENV
+
+log = logging.getLogger("captionflow.service")
+
+APP = "captionflow"
+ENGINE = "caption-engine"
+CONTROLLER = "captionflow-service"
+NAMESPACE = "captionflow"
+
+
+class ServiceError(CaptionflowError, RuntimeError):
+    """The warm engine service is not there, or cannot serve this run."""
+
+
+# The files that decide how a request becomes tokens and pixels: what the warm stages load once.
+PROCESSOR_FILES = (
+    "tokenizer*",
+    "vocab*",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template*",
+    "*processor_config.json",
+    "generation_config.json",
+)
+
+
+def engine_spec(model: ResolvedModel, engine: EngineSettings) -> str:
+    """What two runs must share to use the same engine: the architecture (config.json, without names and
+    paths), the tokenizer, chat template and image processor (the warm stages load them once), and the
+    engine arguments. Checkpoints that differ only in weights share it."""
+    root = Path(model.path)
+    conf = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    for k in ("_name_or_path", "name_or_path", "transformers_version"):
+        conf.pop(k, None)
+    small = {
+        f.name: hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(root.iterdir())
+        if f.is_file() and any(fnmatch.fnmatch(f.name, p) for p in PROCESSOR_FILES)
+    }
+    return digest(
+        {
+            "config": conf,
+            "files": small,
+            "engine_kwargs": engine.engine_kwargs,
+            "device": engine.preset.name,
+            "tensor_parallel_size": engine.tensor_parallel_size,
+        }
+    )
+
+
+# ---------------------------------------------------------------- the controller (a detached Ray actor)
+class ServiceController:
+    """What the service has loaded, who uses it now, and when it was last used."""
+
+    def __init__(self, idle_timeout_s: float):
+        self.idle_timeout_s = idle_timeout_s
+        self.state: dict[str, Any] = {
+            "spec": "",
+            "model_fingerprint": "",
+            "model_path": "",
+            "model": "",
+            "started": time.time(),
+            "last_used": time.time(),
+            "stopped": False,
+            "swaps": 0,
+        }
+        self.holder: Optional[dict[str, Any]] = None
+        self._idle_task = None
+
+    async def start_idle_timer(self) -> None:
+        import asyncio
+
+        async def watch() -> None:
+            while not self.state["stopped"]:
+                await asyncio.sleep(min(10.0, max(self.idle_timeout_s / 4, 0.5)))
+                idle = time.time() - self.state["last_used"]
+                if self.holder is None and self.idle_timeout_s and idle > self.idle_timeout_s:
+                    await self.stop(f"idle for {idle:.0f} s")
+
+        self._idle_task = asyncio.get_running_loop().create_task(watch())
+
+    async def describe(self) -> dict[str, Any]:
+        return {**self.state, "holder": self.holder, "idle_timeout_s": self.idle_timeout_s}
+
+    async def try_acquire(self, owner: str) -> dict[str, Any]:
+        """{"token": ...} when granted, else {"holder": ...}."""
+        if self.state["stopped"]:
+            return {"stopped": True}
+        if self.holder is not None:
+            return {"holder": self.holder}
+        self.holder = {"owner": owner, "token": uuid.uuid4().hex, "since": time.time()}
+        return {"token": self.holder["token"]}
+
+    async def release(self, token: str) -> None:
+        if self.holder and self.holder["token"] == token:
+            self.holder = None
+        self.state["last_used"] = time.time()
+
+    async def loaded(self, spec: str, model: str, model_path: str, model_fingerprint: str, swapped: bool) -> None:
+        self.state.update(
+            spec=spec, model=model, model_path=model_path, model_fingerprint=model_fingerprint, last_used=time.time()
+        )
+        self.state["swaps"] += int(swapped)
+
+    async def stop(self, why: str = "asked to stop") -> None:
+        from ray import serve
+
+        if not self.state["stopped"]:
+            self.state["stopped"] = True
+            self.state["stopped_why"] = why
+            try:
+                serve.delete(APP)  # the engine's replica ends: its GPU and CPUs are free
+            except Exception:
+                pass
+
+
+# ---------------------------------------------------------------- deploying the engine
+def _deploy(model: ResolvedModel, engine: EngineSettings) -> float:
+    """Deploy (or replace) the engine with ``model`` and ``engine``; returns seconds until it is ready."""
+    from ray import serve
+
+    from captionflow.compat.cuda_mps import ensure_mps
+    from captionflow.pipeline.engine_server import CaptionEngine
+
+    t0 = time.perf_counter()
+    preset = engine.preset
+    actor_options: dict[str, Any] = {
+        "num_cpus": preset.engine_cpus,
+        "runtime_env": {"env_vars": {**WORKER_ENV, **ensure_mps(engine.mps), "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}},
+    }
+    if preset.engine_gpus:
+        actor_options["num_gpus"] = engine.gpu_share * engine.tensor_parallel_size
+    if engine.accelerator_type:
+        actor_options["accelerator_type"] = engine.accelerator_type
+    deployment = serve.deployment(CaptionEngine).options(
+        name=ENGINE,
+        num_replicas=1,
+        ray_actor_options=actor_options,
+        max_ongoing_requests=100_000,
+        health_check_period_s=30,
+        health_check_timeout_s=300,
+        graceful_shutdown_timeout_s=5,
+    )
+    serve.run(deployment.bind(model.path, model.fingerprint, engine), name=APP, route_prefix=None)
+    return round(time.perf_counter() - t0, 2)
+
+
+def _handle():
+    from ray import serve
+
+    return serve.get_deployment_handle(ENGINE, APP)
+
+
+def verify(model: ResolvedModel) -> Optional[str]:
+    """None when the engine holds ``model``'s weights, else why not (its embedding against the file's)."""
+    from captionflow.pipeline.engine_server import checkpoint_digest
+
+    dtype, got = _handle().weights_digest.remote().result(timeout_s=300)
+    if not got:
+        return "the engine's embedding could not be read"
+    want = checkpoint_digest(model.path, dtype)
+    if not want:
+        return f"no embedding in {model.path}'s safetensors files to check against"
+    return None if got == want else f"the engine's embedding ({got[:12]}) is not {model.path}'s ({want[:12]})"
+
+
+# ---------------------------------------------------------------- starting, finding, stopping
+def start_service(model: ResolvedModel, engine: EngineSettings, idle_timeout_s: float, address: Optional[str]) -> Any:
+    """Deploy the engine and the controller on the connected Ray; returns the controller."""
+    import ray
+    from ray import serve
+
+    serve.start(http_options={"location": "NoServer"})
+    old = _controller()
+    if old is not None:
+        raise ServiceError("a warm engine service is already running on this Ray cluster (captionflow serve --stop)")
+    controller = (
+        ray.remote(ServiceController)
+        .options(
+            name=CONTROLLER,
+            namespace=NAMESPACE,
+            lifetime="detached",
+            num_cpus=0,
+            max_concurrency=64,
+        )
+        .remote(idle_timeout_s)
+    )
+    ray.get(controller.start_idle_timer.remote())
+    seconds = _deploy(model, engine)
+    ray.get(controller.loaded.remote(engine_spec(model, engine), model.source, model.path, model.fingerprint, False))
+    if address is None:  # a local Ray: tell the runs on this machine where it is
+        path = service_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(
+            json.dumps(
+                {
+                    "address": ray.get_runtime_context().gcs_address,
+                    "pid": os.getpid(),
+                    "model": model.source,
+                    "started": time.time(),
+                    # Ray 2.60 turns token authentication on for a local Ray when a token exists: the runs
+                    # that join it must say so too
+                    "auth_mode": os.environ.get("RAY_AUTH_MODE", ""),
+                }
+            )
+        )
+    log.info("warm engine ready in %.1f s: %s", seconds, model.source)
+    return controller
+
+
+def _controller():
+    import ray
+
+    try:
+        return ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def describe() -> Optional[dict[str, Any]]:
+    """The service's state, or None when there is none on the connected Ray."""
+    import ray
+
+    c = _controller()
+    if c is None:
+        return None
+    info = ray.get(c.describe.remote(), timeout=60)
+    return None if info["stopped"] else info
+
+
+def stop_service() -> Optional[dict[str, Any]]:
+    import ray
+
+    c = _controller()
+    if c is None:
+        return None
+    info = ray.get(c.describe.remote(), timeout=60)
+    ray.get(c.stop.remote("stopped by captionflow serve --stop"), timeout=300)
+    ray.kill(c)
+    return info
+
+
+class _Lifeline:
+    """Watches a local service's process while a run uses it. Its Ray goes with it, and Ray ends a driver
+    whose cluster is gone (after ``RAY_gcs_rpc_server_reconnect_timeout_s``, 15 s for runs on a local
+    service): this says why first, in the run's log, so the run fails with the reason, never hangs."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.pid = int(json.loads(service_file().read_text())["pid"])
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="captionflow-service-lifeline", daemon=True)
+
+    def _watch(self) -> None:
+        while not self.stop.wait(1.0):
+            if not alive(self.pid):
+                log.error(
+                    "the warm engine service (pid %d) stopped during the run, and its Ray with it: this run "
+                    "ends; the captions it committed are kept; run again to caption the rest (with no "
+                    "service running, a run starts engines of its own)",
+                    self.pid,
+                )
+                return
+
+    def __enter__(self) -> _Lifeline:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+
+
+# ---------------------------------------------------------------- a run on the service
+@dataclass
+class WarmEngine:
+    """What a run uses: the deployment, and what it took to get the run's checkpoint loaded."""
+
+    app: str
+    deployment: str
+    model_fingerprint: str
+    how: str  # "loaded" (already), "swapped" (hot swap), "replaced" (a new engine)
+    seconds: float
+
+
+@contextlib.contextmanager
+def use(model: ResolvedModel, engine: EngineSettings, owner: str, wait_s: float) -> Iterator[WarmEngine]:
+    """Hold the service for one run: wait for it, get ``model`` loaded (swap, check, replace), and give it back."""
+    import ray
+
+    c = _controller()
+    if c is None:
+        raise ServiceError("no warm engine service on this Ray cluster")
+    t0, said = time.monotonic(), 0.0
+    while True:
+        got = ray.get(c.try_acquire.remote(owner), timeout=60)
+        if got.get("stopped"):
+            raise ServiceError("the warm engine service has stopped")
+        if "token" in got:
+            break
+        waited = time.monotonic() - t0
+        if waited > wait_s:
+            raise ServiceError(f"the warm engines stayed in use by {got['holder']['owner']} for {waited:.0f} s")
+        if waited - said >= 60 or said == 0.0:
+            log.warning("waiting for the warm engines: in use by %s", got["holder"]["owner"])
+            said = max(waited, 1e-9)
+        time.sleep(1.0)
+    token = got["token"]
+    lifeline = _Lifeline() if local_service_address() else None
+    try:
+        warm = _load(c, model, engine)
+        if lifeline:
+            with lifeline:
+                yield warm
+        else:
+            yield warm
+    finally:
+        try:
+            ray.get(c.release.remote(token), timeout=60)
+        except Exception:  # the service went away: nothing to give back
+            pass
+
+
+def _load(c, model: ResolvedModel, engine: EngineSettings) -> WarmEngine:
+    import ray
+
+    info = ray.get(c.describe.remote(), timeout=60)
+    spec = engine_spec(model, engine)
+    t0 = time.perf_counter()
+    how = "loaded"
+    try:
+        if info["spec"] != spec:
+            log.warning(
+                "warm engines: %s needs another architecture or other engine settings: replacing the engine",
+                model.source,
+            )
+            _deploy(model, engine)
+            how = "replaced"
+        elif info["model_fingerprint"] != model.fingerprint:
+            swap_s = _handle().reload.remote(model.path, model.fingerprint).result(timeout_s=1800)
+            problem = verify(model)
+            if problem:
+                log.warning(
+                    "warm engines: the swap to %s did not take (%s): replacing the engine", model.source, problem
+                )
+                _deploy(model, engine)
+                how = "replaced"
+            else:
+                log.info("warm engines: %s loaded in %.2f s and checked", model.source, swap_s)
+                how = "swapped"
+    except CaptionflowError:
+        raise
+    except Exception as e:
+        raise EngineFailed(f"warm engines: loading {model.source} failed: {type(e).__name__}: {str(e)[:300]}") from e
+    ray.get(c.loaded.remote(spec, model.source, model.path, model.fingerprint, how == "swapped"), timeout=60)
+    return WarmEngine(
+        app=APP,
+        deployment=ENGINE,
+        model_fingerprint=model.fingerprint,
+        how=how,
+        seconds=round(time.perf_counter() - t0, 2),
+    )
+
+
+@contextlib.contextmanager
+def for_run(cfg, model: ResolvedModel, engine: EngineSettings) -> Iterator[Optional[WarmEngine]]:
+    """The warm engine for one run when a service runs on the connected Ray (per ``warm_engines``), else None."""
+    if cfg.warm_engines == "off" or engine.tensor_parallel_size > 1:
+        yield None
+        return
+    if describe() is None:
+        if cfg.warm_engines == "require":
+            raise ServiceError(
+                "warm_engines is 'require' but no warm engine service runs (start one: captionflow serve)"
+            )
+        yield None
+        return
+    from captionflow.lease import _default_owner
+
+    with use(model, engine, _default_owner(), cfg.lease_wait_s) as warm:
+        yield warm

@@ -1,0 +1,55 @@
+"""The Ray Data LLM stage that sends a run's request rows to the warm engine service.
+
+A warm run's processor is a Ray Data LLM ``Processor`` with one stage: this one takes the request rows the
+run's preprocess makes (chat messages with the image, sampling parameters) a batch at a time, and the warm
+replica (``engine_server.CaptionEngine``) runs them through the stages a cold run's processor would have -
+multimodal preparation, chat template, vLLM - and returns the same output rows. Its actor imports neither
+vLLM nor transformers, so a warm run starts in seconds. A row served by another checkpoint than the run's
+is an error row, never a caption; a replica that is gone fails the pass (``ledger``: EngineFailed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray.llm._internal.batch.stages.base import StatefulStage, StatefulStageUDF
+
+
+class WarmEngineStageUDF(StatefulStageUDF):
+    def __init__(
+        self,
+        data_column: str,
+        expected_input_keys: list[str],
+        app_name: str,
+        deployment_name: str,
+        model_fingerprint: str,
+    ):
+        super().__init__(data_column, expected_input_keys)
+        from ray import serve
+
+        self.handle = serve.get_deployment_handle(deployment_name, app_name)
+        self.model_fingerprint = model_fingerprint
+
+    async def udf(self, batch: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+        idx = [row[self.IDX_IN_BATCH_COLUMN] for row in batch]
+        out = await self.handle.caption_batch.remote(
+            [{k: v for k, v in r.items() if k != self.IDX_IN_BATCH_COLUMN} for r in batch]
+        )
+        for i, row in zip(idx, out):  # the replica keeps the order of the rows it was given
+            row[self.IDX_IN_BATCH_COLUMN] = i
+            if not row.get("__inference_error__") and row.get("served_by") != self.model_fingerprint:
+                row["__inference_error__"] = (
+                    f"served by checkpoint {row.get('served_by')!r}, not this run's "
+                    f"{self.model_fingerprint!r}: not taken"
+                )
+            yield row
+
+
+class WarmEngineStage(StatefulStage):
+    """Takes the request rows a run's preprocess makes; gives what Ray Data LLM's engine stage gives."""
+
+    fn: type[StatefulStageUDF] = WarmEngineStageUDF
+
+    def get_required_input_keys(self) -> dict[str, str]:
+        return {"messages": "The chat messages, with the image.", "sampling_params": "vLLM's sampling parameters."}

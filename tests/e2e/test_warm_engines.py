@@ -1,0 +1,149 @@
+"""Warm engines: a service started once, two checkpoints captioned through it (the second swapped into the
+running engine), captions equal to cold runs', every row attributed to its checkpoint, the service stopped
+and its processes gone; and a run whose service dies mid-run ends with the reason, never hangs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pyarrow.parquet as pq
+import pytest
+
+from captionflow.builtin.demo_data import DEMO_CAPTIONS, ensure_demo_dataset
+
+pytestmark = pytest.mark.slow
+CLI = [sys.executable, "-m", "flows.cli"]
+
+
+@pytest.fixture
+def env(prefect_api, tmp_path):
+    from prefect.settings import PREFECT_API_URL
+
+    # a cache of its own: the service's address file lives there, apart from any other service on this machine
+    return {
+        **os.environ,
+        "PREFECT_API_URL": PREFECT_API_URL.value(),
+        "PYTHONUNBUFFERED": "1",
+        "CAPTIONFLOW_CACHE": str(tmp_path / "cache"),
+    }
+
+
+def _images(folder: Path, n: int) -> Path:
+    folder.mkdir(parents=True)
+    demo = ensure_demo_dataset()
+    for name in sorted(DEMO_CAPTIONS)[:n]:
+        shutil.copy2(demo / name, folder / name)
+    return folder
+
+
+def _serve(env, log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [*CLI, "serve", "--device", "cpu", "--idle-timeout", "900"],
+        env=env,
+        stdout=open(log, "w"),  # noqa: SIM115 - the service's output, read as it grows
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    deadline = time.time() + 600
+    while "warm engines ready" not in log.read_text():
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(2)
+    return proc
+
+
+def _run(env, *args) -> dict:
+    out = Path(args[args.index("--summary-json") + 1])
+    r = subprocess.run([*CLI, "run", "--device", "cpu", *args], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def _captions(summary: dict) -> dict[str, dict]:
+    return {r["image_id"]: r for r in pq.read_table(summary["run_dir"] + "/captions").to_pylist()}
+
+
+def test_two_checkpoints_through_warm_engines_equal_cold_runs(env, tmp_path):
+    from captionflow.builtin.model import build_builtin_model
+    from captionflow.fingerprint import model_fingerprint
+
+    data = _images(tmp_path / "golden", 6)
+    ckpt_b = build_builtin_model(tmp_path / "step-2000", seed=1)
+    serve = _serve(env, tmp_path / "serve.log")
+    children = [p.pid for p in psutil.Process(serve.pid).children(recursive=True)]
+    try:
+        common = ["--dataset", str(data), "--output", str(tmp_path / "out")]
+        a = _run(env, *common, "--summary-json", str(tmp_path / "a.json"))
+        b = _run(env, *common, "--model", str(ckpt_b), "--summary-json", str(tmp_path / "b.json"))
+        status = subprocess.run([*CLI, "serve", "--status"], env=env, capture_output=True, text=True, timeout=300)
+        assert '"swaps": 1' in status.stdout, status.stdout + status.stderr
+    finally:
+        stop = subprocess.run([*CLI, "serve", "--stop"], env=env, capture_output=True, text=True, timeout=300)
+        serve.wait(timeout=120)
+    assert a["engines"] == "warm (loaded)" and b["engines"] == "warm (swapped)"
+    assert a["counts"]["captioned"] == b["counts"]["captioned"] == 6
+
+    # the same checkpoints, cold: the run's own engines
+    cold = ["--dataset", str(data), "--output", str(tmp_path / "cold"), "--warm-engines", "off"]
+    cold_b = _run(env, *cold, "--model", str(ckpt_b), "--summary-json", str(tmp_path / "cb.json"))
+    assert cold_b["engines"] == "per-run"
+    warm_rows, cold_rows = _captions(b), _captions(cold_b)
+    assert {k: r["caption"] for k, r in warm_rows.items()} == {k: r["caption"] for k, r in cold_rows.items()}
+    fp_a, fp_b = model_fingerprint(Path(env["CAPTIONFLOW_CACHE"]) / "models" / "builtin-v2"), model_fingerprint(ckpt_b)
+    assert {r["model_fingerprint"] for r in _captions(a).values()} == {fp_a}
+    assert {r["model_fingerprint"] for r in warm_rows.values()} == {fp_b} and fp_a != fp_b
+    assert {r["caption"] for r in warm_rows.values()} != {r["caption"] for r in _captions(a).values()}
+
+    # stopped: the command said so, its process and every process it started are gone, its address file too
+    assert stop.returncode == 0 and "stopped" in stop.stdout and serve.returncode == 0
+    assert not (Path(env["CAPTIONFLOW_CACHE"]) / "service.json").exists()
+    time.sleep(5)
+    assert not [pid for pid in children if psutil.pid_exists(pid)]
+
+
+def test_a_run_whose_warm_engines_die_ends_with_the_reason_and_a_rerun_finishes_it(env, tmp_path):
+    data = _images(tmp_path / "golden", 8)
+    out = tmp_path / "out"
+    serve = _serve(env, tmp_path / "serve.log")
+    log = tmp_path / "run.log"
+    args = [
+        "--dataset",
+        str(data),
+        "--output",
+        str(out),
+        "--batch-size",
+        "1",
+        "--commit-rows",
+        "1",
+        "--max-concurrent-batches",
+        "1",
+    ]
+    run = subprocess.Popen(
+        [*CLI, "run", "--device", "cpu", *args],
+        env=env,
+        stdout=open(log, "w"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+    )
+    pattern = "runs/*/*/*/captions/*.parquet"
+    deadline = time.time() + 600
+    while not list(out.glob(pattern)):
+        assert run.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    os.killpg(serve.pid, signal.SIGKILL)  # the service and its Ray, at once
+    t0 = time.time()
+    rc = run.wait(timeout=180)  # ends, within Ray's reconnect window: never hangs
+    assert rc != 0 and time.time() - t0 < 120
+    assert "warm engine service (pid" in log.read_text() and "stopped during the run" in log.read_text()
+    committed = [i for f in out.glob(pattern) for i in pq.read_table(f).column("image_id").to_pylist()]
+
+    s = _run(env, *args, "--summary-json", str(tmp_path / "again.json"))  # no service now: its own engines
+    assert s["engines"] == "per-run" and s["resumed_from"] == len(set(committed))
+    ids = [i for f in out.glob(pattern) for i in pq.read_table(f).column("image_id").to_pylist()]
+    assert len(ids) == len(set(ids)) == s["counts"]["accepted"] == 8
