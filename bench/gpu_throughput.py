@@ -444,21 +444,19 @@ def phase_stage(a: argparse.Namespace) -> dict:
 
 
 # ---------------------------------------------------------------- phase C: the whole flow (CLI process)
-def phase_flow(a: argparse.Namespace) -> dict:
-    out = Path(a.work) / "out-flow"
-    shutil.rmtree(out, ignore_errors=True)  # a fresh run: nothing to resume, nothing cached
-    summary = Path(a.work) / "flow-summary.json"
+def flow_command(a: argparse.Namespace, images: str, out: Path, model: str, summary: Path, engine_kwargs: str) -> list:
+    """``captionflow run`` with the bench's settings (in a new process)."""
     cmd = [
         sys.executable,
         "-m",
         "flows.cli",
         "run",
         "--dataset",
-        a.images,
+        images,
         "--output",
         str(out),
         "--model",
-        a.model,
+        model,
         "--device",
         a.device,
         "--max-tokens",
@@ -473,7 +471,7 @@ def phase_flow(a: argparse.Namespace) -> dict:
         "--prompt",
         PROMPT,
         "--engine-kwargs",
-        a.engine_kwargs,
+        engine_kwargs,
         "--commit-rows",
         "32",
         "--summary-json",
@@ -487,6 +485,14 @@ def phase_flow(a: argparse.Namespace) -> dict:
         extra = Path(a.work) / "flow-config.yaml"
         extra.write_text(a.pipeline_config)
         cmd += ["--config", str(extra)]
+    return cmd
+
+
+def phase_flow(a: argparse.Namespace) -> dict:
+    out = Path(a.work) / "out-flow"
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run: nothing to resume, nothing cached
+    summary = Path(a.work) / "flow-summary.json"
+    cmd = flow_command(a, a.images, out, a.model, summary, a.engine_kwargs)
     t_start = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     t_end = time.time()
@@ -509,6 +515,123 @@ def phase_flow(a: argparse.Namespace) -> dict:
         }
     )
     return r
+
+
+# ---------------------------------------------------------------- the verdict: run start -> leaderboard row
+def _verdict_images(a: argparse.Namespace) -> str:
+    """The first ``--verdict-n`` images of the bench's folder, hard-linked into a folder of their own."""
+    folder = Path(a.work) / f"images-{a.verdict_n}"
+    files = sorted(Path(a.images).iterdir())[: a.verdict_n]
+    if not (folder.is_dir() and len(list(folder.iterdir())) == len(files)):
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        for f in files:
+            os.link(f, folder / f.name)
+    return str(folder)
+
+
+def _checkpoints(a: argparse.Namespace) -> tuple[str, str]:
+    """Two checkpoints of the bench's architecture with different (random) weights: the verdict loads,
+    compiles and swaps real safetensors files."""
+    model = Path(a.model)
+    if (model / "config.json").exists() and any(model.glob("*.safetensors")) and a.model_b:
+        return str(model), a.model_b
+    device = "cuda" if a.device == "gpu" else "cpu"
+    paths = []
+    for seed in (0, 1):
+        out = Path(a.work) / f"checkpoint-seed{seed}"
+        if not (out / "model.safetensors.index.json").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            t0 = time.time()
+            code = "import sys; from captionflow.builtin.standin import write_random_weights as w; w(*sys.argv[1:4])"
+            # in a child process: no CUDA context left in this one while the phases run
+            subprocess.run([sys.executable, "-c", code, str(model), str(out), str(seed), device], cwd=ROOT, check=True)
+            print(f"random checkpoint {out} in {time.time() - t0:.0f} s", flush=True)
+        paths.append(str(out))
+    return paths[0], paths[1]
+
+
+def _flow_timed(a, name: str, images: str, model: str, engine_kwargs: str, env: dict) -> dict:
+    out = Path(a.work) / f"out-verdict-{name}"
+    shutil.rmtree(out, ignore_errors=True)
+    summary = Path(a.work) / f"verdict-{name}-summary.json"
+    cmd = flow_command(a, images, out, model, summary, engine_kwargs) + ["--compile-cache-dir", env["CF_BENCH_CC"]]
+    log = Path(a.work) / f"phase-verdict-{name}.log"
+    t0 = time.time()
+    with open(log, "w") as fh:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=a.phase_timeout)
+    t1 = time.time()
+    if proc.returncode != 0:
+        return {"error": f"exit {proc.returncode}", "log_tail": log.read_text(errors="replace")[-4000:]}
+    s = json.loads(summary.read_text())
+    stamps, _, _ = commit_times(s["run_dir"])
+    board = sorted(out.glob("leaderboard/*.json"))
+    return {
+        "verdict_s": round(t1 - t0, 2),
+        "first_caption_after_s": round(stamps[0][0] - t0, 2) if stamps else None,
+        "last_caption_after_s": round(stamps[-1][0] - t0, 2) if stamps else None,
+        "leaderboard_row_after_s": round(board[-1].stat().st_mtime - t0, 2) if board else None,
+        "captioned": s["counts"]["captioned"],
+        "engines": s.get("engines"),
+        "timings_s": s.get("timings_s"),
+    }
+
+
+def verdict(a: argparse.Namespace, sampler: GpuSampler) -> dict:
+    """Wall seconds from ``captionflow run`` to its leaderboard row, ``--verdict-n`` images: cold (empty
+    compile caches), a new checkpoint at a new path with the caches warm, a new checkpoint through warm
+    engines (hot swap; the service started beforehand, its start reported apart), and the raw script's wall
+    time on the same images, start-up included."""
+    images = _verdict_images(a)
+    ckpt_a, ckpt_b = _checkpoints(a)
+    kwargs = json.dumps({k: v for k, v in json.loads(a.engine_kwargs).items() if k != "load_format"})
+    cc = Path(a.work) / "compile-cache"
+    shutil.rmtree(cc, ignore_errors=True)
+    env = {
+        **os.environ,
+        "CF_BENCH_CC": str(cc),
+        # every compile cache of the engines under one folder, so that "cold" empties them all
+        "TORCHINDUCTOR_CACHE_DIR": str(cc / "inductor"),
+        "TRITON_CACHE_DIR": str(cc / "triton"),
+        "CAPTIONFLOW_CACHE": str(Path(a.work) / "cf-cache"),  # its own service file
+    }
+    res: dict = {"n": len(list(Path(images).iterdir())), "checkpoints": [ckpt_a, ckpt_b]}
+    res["cold"] = _flow_timed(a, "cold", images, ckpt_a, kwargs, env)
+    res["warm_cache"] = _flow_timed(a, "warm-cache", images, ckpt_b, kwargs, env)
+    # warm engines: a service on checkpoint A, then a run of checkpoint B (swapped in)
+    serve_log = Path(a.work) / "phase-verdict-serve.log"
+    serve_cmd = [sys.executable, "-m", "flows.cli", "serve", "--model", ckpt_a, "--device", a.device]
+    serve_cmd += ["--max-pixels", str(a.max_pixels), "--max-image-side", str(a.max_image_side)]
+    serve_cmd += ["--engine-kwargs", kwargs, "--compile-cache-dir", str(cc), "--idle-timeout", "900"]
+    t0 = time.time()
+    with open(serve_log, "w") as fh:
+        server = subprocess.Popen(serve_cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    try:
+        while "warm engines ready" not in serve_log.read_text(errors="replace"):
+            if server.poll() is not None or time.time() - t0 > a.phase_timeout:
+                res["warm_engines"] = {"error": "the service did not start", "log_tail": serve_log.read_text()[-4000:]}
+                break
+            time.sleep(1)
+        else:
+            res["service_start_s"] = round(time.time() - t0, 2)
+            res["warm_engines"] = _flow_timed(a, "warm-engines", images, ckpt_b, kwargs, env)
+    finally:
+        server.terminate()
+        try:
+            server.wait(120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    raw = run_phase(
+        "raw", argparse.Namespace(**{**vars(a), "images": images, "model": ckpt_a, "engine_kwargs": kwargs}), sampler
+    )
+    res["raw"] = {k: raw.get(k) for k in ("wall_s", "import_s", "engine_start_s", "images_per_s", "error", "log_tail")}
+    res["summary"] = {
+        "cold_s": res["cold"].get("verdict_s"),
+        "warm_cache_s": res["warm_cache"].get("verdict_s"),
+        "warm_engines_s": res.get("warm_engines", {}).get("verdict_s"),
+        "raw_wall_s": raw.get("wall_s"),
+    }
+    return res
 
 
 PHASES = {"raw": phase_raw, "stage": phase_stage, "flow": phase_flow}
@@ -630,7 +753,16 @@ def main() -> int:
         default="auto",
         help="the pipeline's cuda_mps parameter (stage, flow); raw vLLM runs without MPS",
     )
-    ap.add_argument("--phases", default="raw,stage,flow")
+    ap.add_argument(
+        "--phases",
+        default="raw,stage,flow",
+        help="raw, stage, flow (throughput, N images) and verdict (run start to leaderboard row, --verdict-n images)",
+    )
+    ap.add_argument("--verdict-n", type=int, default=5000, help="images of the verdict phase (the first of the set)")
+    ap.add_argument(
+        "--model-b",
+        help="the verdict's second checkpoint (with --model); default: two random-weight checkpoints of the stand-in",
+    )
     ap.add_argument("--phase-timeout", type=float, default=900)
     ap.add_argument("--work", help="working folder (default: a new temporary one)")
     ap.add_argument("--json", help="results file (default bench/results/gpu_throughput-<gpu>.json)")
@@ -671,7 +803,7 @@ def main() -> int:
         results["device"] = ", ".join(sampler.names)
         for name in a.phases.split(","):
             print(f"--- phase {name}", flush=True)
-            results[name] = run_phase(name, a, sampler)
+            results[name] = verdict(a, sampler) if name == "verdict" else run_phase(name, a, sampler)
             print(json.dumps({k: v for k, v in results[name].items() if k != "log_tail"}), flush=True)
             if "error" in results[name]:
                 print(results[name]["log_tail"], flush=True)
@@ -693,6 +825,14 @@ def _finish(results: dict) -> None:
             if other.get("images_per_s_from_engine_log"):
                 log_basis[key] = round(other["images_per_s_from_engine_log"] / raw["images_per_s"], 3)
     results["ratios"], results["ratios_wall"] = ratios, wall
+    # the pipeline against one engine draining a full queue (raw's 10-90% window), in this invocation
+    ceiling = raw.get("images_per_s_10_90")
+    stage = results.get("stage") or {}
+    if ceiling and stage.get("images_per_s"):
+        results["ceiling_images_per_s"] = ceiling
+        results["steady_vs_ceiling"] = round(stage["images_per_s"] / ceiling, 3)
+        if stage.get("images_per_s_10_90"):
+            results["steady_10_90_vs_ceiling"] = round(stage["images_per_s_10_90"] / ceiling, 3)
     gpus = max(1, len(results.get("device", "").split(", ")))
     results["per_gpu_vs_seed"] = {
         name: round(results[name]["images_per_s"] / gpus / SEED_IMAGES_PER_S_PER_GPU, 2)
@@ -713,6 +853,9 @@ def _write(results: dict, out: Path | None) -> Path:
 
 
 def _table(results: dict) -> None:
+    if "verdict" in results:
+        v = results["verdict"]
+        print(f"verdict (run start -> leaderboard row, {v.get('n')} images), s: {json.dumps(v.get('summary'))}")
     cols = [n for n in ("raw", "stage", "flow") if n in results and "error" not in results[n]]
     rows = [
         ("images/s (steady)", "images_per_s"),
@@ -741,6 +884,7 @@ def _table(results: dict) -> None:
     )
     print(
         f"device: {results.get('device')}  n={results['n']}  ratios: {json.dumps(results.get('ratios'))}"
+        f"  steady_vs_ceiling: {results.get('steady_vs_ceiling')} (10-90%: {results.get('steady_10_90_vs_ceiling')})"
         f"  incl. start-up: {json.dumps(results.get('ratios_wall'))}"
         f"  per GPU vs the seed's {SEED_IMAGES_PER_S_PER_GPU} img/s: {json.dumps(results.get('per_gpu_vs_seed'))}"
     )

@@ -4,7 +4,8 @@
 #   the benchmark (raw, stage, flow) with the GPU preset as it ships, the stage phase profiled by
 #   bench/host/profile.sh (py-spy: an engine actor and its EngineCore, once the engines are up).
 #   bench/host/session.sh PARTS_DIR [NAME=OPTIONS ...]   then wait for /tmp/final.done  (PROFILE=0: no py-spy)
-# Each NAME=OPTIONS is one benchmark invocation, one after the other, with gpu_throughput.py OPTIONS
+# Each NAME=OPTIONS is one benchmark invocation, one after the other (sharing /tmp/cf-bench: the images and the
+# stand-in are made once), with gpu_throughput.py OPTIONS
 # (default: "h100=--phases raw,stage,flow"): /tmp/cf-results/gpu_throughput-NAME.json, NAME-phase-*.log.
 set -uo pipefail
 PARTS=${1:?parts folder}
@@ -19,9 +20,9 @@ setsid nohup bash -c "
   [ \"${PROFILE:-1}\" = 0 ] || (bash bench/host/profile.sh 'MapWorker[(]MapBatches[(]vLLMEngine' '/tmp/ray/session_latest/logs/worker-*.out' 12 25 /tmp/cf-results/stage-actor.folded &)
   while IFS='=' read -r name opts; do
     echo \"=== \$name: \$opts\"
-    BENCH_WORK=/tmp/cf-bench-\$name BENCH_JSON=/tmp/cf-results/gpu_throughput-\$name.json \
+    BENCH_WORK=/tmp/cf-bench BENCH_JSON=/tmp/cf-results/gpu_throughput-\$name.json \
       bash bench/host/run.sh '$PARTS' --phase-timeout 400 \$opts < /dev/null
-    for f in /tmp/cf-bench-\$name/phase-*.log; do tail -c 2000000 \$f > /tmp/cf-results/\$name-\$(basename \$f); done
+    for f in /tmp/cf-bench/phase-*.log; do tail -c 2000000 \$f > /tmp/cf-results/\$name-\$(basename \$f); rm -f \$f; done
   done < /tmp/cf-runs
   touch /tmp/final.done" > /tmp/cf-results/final.log 2>&1 < /dev/null &
 echo "session started in the background: tail /tmp/cf-results/final.log, wait for /tmp/final.done"

@@ -303,3 +303,60 @@ def build_standin(arch: str, out_dir: str | os.PathLike) -> Path:
         },
     )
     return out
+
+
+def write_random_weights(
+    standin_dir: str | os.PathLike, out_dir: str | os.PathLike, seed: int, device: str = "cpu"
+) -> Path:
+    """A checkpoint folder ``out_dir`` (created): the stand-in's files plus random bf16 weights in
+    safetensors shards (<= 4 GiB each, with an index), so that checkpoints of a full-size architecture can be
+    loaded, hot-swapped and told apart without any download. Tensors are drawn in sorted order from one
+    generator seeded with ``seed`` on ``device`` (a GPU draws 3B parameters in about a second)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    src, out = Path(standin_dir), Path(out_dir)
+    out.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
+            shutil.copy2(f, out / f.name)
+    config = AutoConfig.from_pretrained(src)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False) or getattr(
+        getattr(config, "text_config", None), "tie_word_embeddings", False
+    ):
+        shapes.pop("lm_head.weight", None)
+    gen = torch.Generator(device=device).manual_seed(int(seed))
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size, limit = 0, 4 * 2**30
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if name.endswith("weight") and ("norm" in name or "ln_q" in name):
+            t = torch.ones(shape, dtype=torch.bfloat16)
+        elif name.endswith(".bias"):
+            t = torch.zeros(shape, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+        nbytes = t.numel() * 2
+        if size + nbytes > limit and shards[-1]:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.cpu().contiguous()
+        size += nbytes
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        for k, v in shard.items():
+            weight_map[k] = fname
+            total += v.numel() * 2
+    _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    meta = json.loads((out / "captionflow_model.json").read_text()) if (out / "captionflow_model.json").exists() else {}
+    meta.update({"weights": f"random bf16, seed {seed}", "note": "random weights: meaningless captions"})
+    _write_json(out / "captionflow_model.json", meta)
+    return out

@@ -16,7 +16,8 @@ modules in ``PATCHES`` are imported later in a worker, (1) ``InputProcessor`` is
 constructed (before the engine core - a separate process - has loaded and compiled the model), a
 background thread asks the renderer's multimodal processor for its HF processor with the request
 path's arguments - the first request then finds it in vLLM's cache; (2) ``AsyncLLM`` logs the moment
-it is ready to take requests (``ACCEPTING``), which the GPU benchmark reads. If anything here fails,
+it is ready to take requests (``ACCEPTING``), which the GPU benchmark reads, and renders requests on its
+renderer's threads instead of its event loop (``render_off_loop``). If anything here fails,
 vLLM builds the processor on the first request, as it would without this.
 """
 
@@ -80,11 +81,38 @@ def patch_input_processor(module) -> bool:
 def patch_async_llm(module) -> bool:
     """Log when an ``AsyncLLM`` (the engine front end Ray Data LLM drives) is ready to take requests:
     ``ACCEPTING`` and the Unix time, which bench/gpu_throughput.py reads (raw vLLM's counterpart is
-    ``LLM()`` returning)."""
+    ``LLM()`` returning); and render its requests off the event loop (``render_off_loop``)."""
     cls = getattr(module, "AsyncLLM", None)
     if cls is not None and not getattr(cls, "_captionflow_patched", False):
         _wrap_init(cls, lambda self: _say(f"{ACCEPTING} {time.time():.3f}"))
+        render_off_loop(cls)
     return cls is not None
+
+
+def render_off_loop(cls) -> None:
+    """Ray Data LLM (2.60) hands ``AsyncLLM.generate`` raw prompts (text + images). vLLM 0.26 then processes
+    each one - the HF image processor, tokenising - synchronously on the front end's event loop
+    (``InputProcessor.process_inputs``, the path vLLM marks deprecated), so one engine's front end does all
+    image processing on one thread and its loop stalls for seconds at a time (outputs, new requests and stats
+    wait: on the H100, one engine per GPU reached 105 images/s where the engine drains 528). Rendering
+    through the renderer's async path (``render_cmpl_async``, vLLM's own non-deprecated route) runs it on the
+    renderer's thread pool (``renderer_num_workers`` threads) and hands the engine the rendered input, which
+    it accepts as is. Where the front end lacks that path, requests go as before."""
+    add_request = cls.add_request
+
+    @functools.wraps(add_request)
+    async def add_request_rendered(self, request_id, prompt, params, *args, **kwargs):
+        renderer = getattr(self, "renderer", None)
+        if (
+            isinstance(prompt, dict)
+            and "type" not in prompt
+            and not kwargs.get("tokenization_kwargs")
+            and hasattr(renderer, "render_cmpl_async")
+        ):
+            (prompt,) = await renderer.render_cmpl_async([prompt])
+        return await add_request(self, request_id, prompt, params, *args, **kwargs)
+
+    cls.add_request = add_request_rendered
 
 
 ACCEPTING = "vLLM engine accepting requests at"

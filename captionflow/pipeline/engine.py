@@ -13,7 +13,8 @@ at (weights + fixed KV cache + overhead) each, at most the preset's ``max_engine
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from captionflow.config import RunConfig
@@ -35,6 +36,15 @@ class EngineSettings:
     mps: str = "off"  # CUDA MPS for engines sharing a GPU: the cuda_mps mode, "off" where not wanted
     accelerator_type: str | None = None
     tensor_parallel_size: int = 1
+    env: dict[str, str] = field(default_factory=dict)  # the engine processes' environment, beyond WORKER_ENV
+    # (patch x merge size, min pixels, max pixels) of a Qwen2-VL-style image processor: images are fitted to
+    # it on CPU workers before the engine (workers/images.fit_to_grid); None for other processors
+    image_grid: tuple[int, int, int] | None = None
+
+    @property
+    def compile_dir(self) -> str:
+        """The compile cache folder of this architecture and these settings ('' for eager engines)."""
+        return (self.engine_kwargs.get("compilation_config") or {}).get("cache_dir", "")
 
     def output_params(self) -> dict[str, Any]:
         """What of these settings can change a caption (part of the generation fingerprint): the device's
@@ -124,7 +134,30 @@ def resolve_engine(
         mps=mps,
         accelerator_type=cfg.accelerator_type,
         tensor_parallel_size=cfg.tensor_parallel_size,
+        # vLLM's AOT-compiled graphs live under its cache root, not under compilation_config's cache_dir
+        env={"VLLM_CACHE_ROOT": str(Path(cfg.compile_cache_dir) / "vllm")} if cfg.compile_cache_dir else {},
+        image_grid=image_grid(model.path, max_pixels),
     )
+
+
+def image_grid(model_path: str, max_pixels: int) -> tuple[int, int, int] | None:
+    """The patch grid images are fitted to before the engine, from the checkpoint's preprocessor_config.json:
+    Qwen2-VL-style processors (Qwen2-VL, Qwen2.5-VL: ``smart_resize`` to multiples of patch x merge size
+    within the pixel budget). None for other processors or an unreadable config (the engine resizes)."""
+    import json
+
+    try:
+        conf = json.loads((Path(model_path) / "preprocessor_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not str(conf.get("image_processor_type", "")).startswith("Qwen2VLImageProcessor"):
+        return None
+    try:
+        factor = int(conf.get("patch_size", 14)) * int(conf.get("merge_size", 2))
+        min_pixels = int(conf.get("min_pixels") or (conf.get("size") or {}).get("shortest_edge") or 56 * 56)
+    except (TypeError, ValueError):
+        return None
+    return factor, min_pixels, int(max_pixels)
 
 
 def renderer_workers(gpus: int, local_ray: bool) -> int:

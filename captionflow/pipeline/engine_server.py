@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 DATA = "__data"
+PREPARED = ("multimodal_data", "multimodal_uuids", "prompt")  # made here, not sent back (the decoded images)
 DIGEST_ROWS = 64  # embedding rows compared after a swap
 
 
@@ -53,7 +54,12 @@ class CaptionEngine:
     """A Ray Serve deployment class: a run's processor stages, kept warm between runs."""
 
     def __init__(self, model_path: str, model_fingerprint: str, engine):
+        import vllm.v1.engine.async_llm as async_llm
+
+        from captionflow.compat import vllm_warmup
         from captionflow.pipeline.processor import build_vlm_processor
+
+        vllm_warmup.patch_async_llm(async_llm)  # a Serve replica does not run the job's worker setup hook
 
         t0 = time.perf_counter()
         processor = build_vlm_processor(engine, model_path, preprocess=None, postprocess=None)
@@ -72,6 +78,8 @@ class CaptionEngine:
             async for out in udf({DATA: rows}):
                 rows = out[DATA]
         for row in rows:
+            for key in PREPARED:
+                row.pop(key, None)
             row["served_by"] = served_by
         return rows
 

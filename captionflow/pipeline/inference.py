@@ -29,6 +29,7 @@ from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.ledger import Ledger, Progress, run_passes
 from captionflow.pipeline.processor import build_vlm_processor, map_task_kwargs, read_pending
 from captionflow.pipeline.session import ray_session
+from captionflow.pipeline.staging import staged
 from captionflow.results import InferenceResult, Manifest
 from captionflow.storage import Store
 from captionflow.workers.llm_rows import CAPTION_SCHEMA, caption_fixed_schema, caption_request, to_caption
@@ -116,14 +117,15 @@ def run_inference(
         reused = reuse_captions(store, run, ledger, all_ids - done, done)
         if all_ids - done:
             t0 = time.perf_counter()
-            ray_session(cfg)
+            local = ray_session(cfg).started_here
             timings["ray_init_s"] = round(time.perf_counter() - t0, 2)
             with service.for_run(cfg, model, engine) as warm:
                 if warm is not None:
                     engines = f"warm ({warm.how})"
                     timings["warm_engine_s"] = warm.seconds
-                rows_for = _caption_rows(cfg, model, engine, store, shards, warm)
-                passes = run_passes(ledger, all_ids, done, cfg.row_retries, rows_for, progress)
+                with staged(model.path, engine.compile_dir, local=local and warm is None) as path:
+                    rows_for = _caption_rows(cfg, model, path, engine, store, shards, warm)
+                    passes = run_passes(ledger, all_ids, done, cfg.row_retries, rows_for, progress)
             timings["inference_s"] = round(time.perf_counter() - t_start, 2)
     captioned = len(done & all_ids)
     result = InferenceResult(
@@ -155,9 +157,16 @@ def run_inference(
 
 
 def _caption_rows(
-    cfg: RunConfig, model: ResolvedModel, engine: EngineSettings, store: Store, shards: list[str], warm=None
+    cfg: RunConfig,
+    model: ResolvedModel,
+    model_path: str,
+    engine: EngineSettings,
+    store: Store,
+    shards: list[str],
+    warm=None,
 ):
-    """``rows_for(attempt, pending)``: the Ray dataset of caption rows for one pass."""
+    """``rows_for(attempt, pending)``: the Ray dataset of caption rows for one pass; the engines load
+    ``model_path`` (the checkpoint, or its staged slot: staging.py)."""
     inject = frozenset(x for x in os.environ.get(INJECT_ENV, "").split(",") if x)
     sampling = {
         "max_tokens": cfg.max_tokens,
@@ -170,13 +179,14 @@ def _caption_rows(
     def rows_for(attempt: int, pending: list[str]):
         processor = build_vlm_processor(
             engine,
-            model.path,
+            model_path,
             preprocess=functools.partial(
                 caption_request,
                 system_prompt=cfg.system_prompt,
                 prompt=cfg.prompt,
                 sampling=sampling,
                 fail_ids=inject if attempt == 0 else frozenset(),
+                grid=engine.image_grid,
             ),
             postprocess=functools.partial(
                 to_caption, max_tokens=cfg.max_tokens, model_fp=model.fingerprint, attempt=attempt

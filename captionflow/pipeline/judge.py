@@ -21,6 +21,7 @@ from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.ledger import Ledger, run_passes
 from captionflow.pipeline.processor import build_vlm_processor, map_task_kwargs, read_pending
 from captionflow.pipeline.session import ray_session
+from captionflow.pipeline.staging import staged
 from captionflow.results import InferenceResult, JudgeResult, Manifest
 from captionflow.storage import Store
 from captionflow.workers.llm_rows import (
@@ -103,7 +104,7 @@ def _judge_passes(
     captions: dict[str, str],
     done: set[str],
 ):
-    ray_session(cfg)
+    local = ray_session(cfg).started_here
     shards = shard_paths(store, manifest)
     sampling = {
         "max_tokens": JUDGE_MAX_TOKENS,
@@ -112,11 +113,11 @@ def _judge_passes(
         "structured_outputs": {"regex": JUDGE_REGEX},
     }
 
-    def rows_for(attempt: int, pending: list[str]):
+    def rows_for(attempt: int, pending: list[str], judge_path: str):
         processor = build_vlm_processor(
             engine,
-            judge.path,
-            preprocess=functools.partial(judge_request, captions=captions, sampling=sampling),
+            judge_path,
+            preprocess=functools.partial(judge_request, captions=captions, sampling=sampling, grid=engine.image_grid),
             postprocess=functools.partial(judge_out, attempt=attempt),
         )
         ds = read_pending(store.fs, shards, ["image_id", "image", "references"], pending, engine)
@@ -124,4 +125,5 @@ def _judge_passes(
             functools.partial(judge_fixed_schema, attempt=attempt), **map_task_kwargs(engine.preset)
         )
 
-    return run_passes(ledger, set(captions), done, cfg.row_retries, rows_for)
+    with staged(judge.path, engine.compile_dir, local=local) as path:
+        return run_passes(ledger, set(captions), done, cfg.row_retries, functools.partial(rows_for, judge_path=path))

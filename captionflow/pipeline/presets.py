@@ -100,7 +100,7 @@ GPU = Preset(
         "mm_processor_cache_gb": 0,
         "max_num_batched_tokens": 16384,
     },
-    cpu_stage_concurrency=8,
+    cpu_stage_concurrency=4,  # light with images fitted to the grid upstream; each actor imports vLLM at start
     max_engines_per_gpu=1,
     kv_cache_bytes=4 * 2**30,  # each engine's when several share a GPU (engines_per_gpu > 1)
     engine_overhead_bytes=4 * 2**30,

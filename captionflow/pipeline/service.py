@@ -40,7 +40,7 @@ from captionflow.errors import CaptionflowError, EngineFailed
 from captionflow.fingerprint import digest
 from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.engine import EngineSettings
-from captionflow.pipeline.service_address import alive, local_service_address, service_file
+from captionflow.pipeline.service_address import alive, local_service_address, process_started, service_file
 from captionflow.pipeline.session import WORKER_ENV
 
 log = logging.getLogger("captionflow.service")
@@ -170,7 +170,9 @@ def _deploy(model: ResolvedModel, engine: EngineSettings) -> float:
     preset = engine.preset
     actor_options: dict[str, Any] = {
         "num_cpus": preset.engine_cpus,
-        "runtime_env": {"env_vars": {**WORKER_ENV, **ensure_mps(engine.mps), "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}},
+        "runtime_env": {
+            "env_vars": {**WORKER_ENV, **engine.env, **ensure_mps(engine.mps), "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+        },
     }
     if preset.engine_gpus:
         actor_options["num_gpus"] = engine.gpu_share * engine.tensor_parallel_size
@@ -240,6 +242,7 @@ def start_service(model: ResolvedModel, engine: EngineSettings, idle_timeout_s: 
                 {
                     "address": ray.get_runtime_context().gcs_address,
                     "pid": os.getpid(),
+                    "pid_started": process_started(os.getpid()),
                     "model": model.source,
                     "started": time.time(),
                     # Ray 2.60 turns token authentication on for a local Ray when a token exists: the runs
@@ -292,13 +295,14 @@ class _Lifeline:
     def __init__(self) -> None:
         import threading
 
-        self.pid = int(json.loads(service_file().read_text())["pid"])
+        info = json.loads(service_file().read_text())
+        self.pid, self.started = int(info["pid"]), info.get("pid_started")
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="captionflow-service-lifeline", daemon=True)
 
     def _watch(self) -> None:
         while not self.stop.wait(1.0):
-            if not alive(self.pid):
+            if not alive(self.pid, self.started):
                 log.error(
                     "the warm engine service (pid %d) stopped during the run, and its Ray with it: this run "
                     "ends; the captions it committed are kept; run again to caption the rest (with no "

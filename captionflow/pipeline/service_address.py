@@ -26,8 +26,8 @@ def local_service_address() -> Optional[str]:
     except (OSError, ValueError):
         return None
     try:
-        if not alive(int(info["pid"])):
-            return None  # its process is gone: the file is stale
+        if not alive(int(info["pid"]), info.get("pid_started")):
+            return None  # its process is gone (or its number now belongs to another one): the file is stale
     except (KeyError, ValueError):
         return None
     if info.get("auth_mode"):
@@ -37,11 +37,24 @@ def local_service_address() -> Optional[str]:
     return info.get("address")
 
 
-def alive(pid: int) -> bool:
-    """The process runs (a killed one that its parent has not reaped yet is a zombie: not running)."""
+def process_started(pid: int) -> Optional[float]:
     import psutil
 
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def alive(pid: int, started: Optional[float] = None) -> bool:
+    """The process runs (a killed one that its parent has not reaped yet is a zombie: not running), and is the
+    one started at ``started`` (when given: process numbers are reused)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if started is not None and abs(proc.create_time() - started) > 1.0:
+            return False
+        return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False

@@ -16,7 +16,7 @@ import json
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from captionflow.workers.images import data_url
+from captionflow.workers.images import data_url, fit_to_grid
 
 CAPTION_SCHEMA = pa.schema(
     [
@@ -46,14 +46,16 @@ JUDGE_SCHEMA = pa.schema(
 )
 
 
-def image_messages(system_prompt: str, image: bytes, text: str) -> list[dict]:
-    """OpenAI-style chat messages: a system prompt, then one image (as a data: URL) and a text."""
+def image_messages(system_prompt: str, image: bytes, text: str, grid=None) -> list[dict]:
+    """OpenAI-style chat messages: a system prompt, then one image (as a data: URL; fitted to the engine's
+    patch grid when ``grid`` is given: ``images.fit_to_grid``) and a text."""
+    image, mime = fit_to_grid(image, grid)
     return [
         {"role": "system", "content": system_prompt},
         {
             "role": "user",
             "content": [
-                {"type": "image_url", "image_url": {"url": data_url(image)}},
+                {"type": "image_url", "image_url": {"url": data_url(image, mime)}},
                 {"type": "text", "text": text},
             ],
         },
@@ -66,7 +68,9 @@ def keep_pending(batch: pa.Table, *, pending: pa.Array) -> pa.Table:
 
 
 # ---------------------------------------------------------------- captioning
-def caption_request(row: dict, *, system_prompt: str, prompt: str, sampling: dict, fail_ids: frozenset) -> dict:
+def caption_request(
+    row: dict, *, system_prompt: str, prompt: str, sampling: dict, fail_ids: frozenset, grid=None
+) -> dict:
     """Preprocess: one captioning request. ``fail_ids``: rows sent with invalid sampling parameters
     (temperature -1, which vLLM rejects), for the tests of per-row failures."""
     params = dict(sampling)
@@ -74,7 +78,7 @@ def caption_request(row: dict, *, system_prompt: str, prompt: str, sampling: dic
         params["temperature"] = -1.0
     return {
         "image_id": row["image_id"],
-        "messages": image_messages(system_prompt, row.pop("image"), prompt),
+        "messages": image_messages(system_prompt, row.pop("image"), prompt, grid),
         "sampling_params": params,
     }
 
@@ -122,12 +126,12 @@ def judge_prompt(caption: str, references: list[str]) -> str:
     )
 
 
-def judge_request(row: dict, *, captions: dict, sampling: dict) -> dict:
+def judge_request(row: dict, *, captions: dict, sampling: dict, grid=None) -> dict:
     """Preprocess: one judging request (the image, the caption, the references)."""
     text = judge_prompt(captions[row["image_id"]], list(row.get("references") or []))
     return {
         "image_id": row["image_id"],
-        "messages": image_messages(JUDGE_SYSTEM, row.pop("image"), text),
+        "messages": image_messages(JUDGE_SYSTEM, row.pop("image"), text, grid),
         "sampling_params": sampling,
     }
 

@@ -61,3 +61,28 @@ def test_one_engine_per_gpu_unless_asked_for_more(standin):
     assert engines_per_gpu(GPU, weights, 80 * gib, override=2) == 2  # several, when asked
     assert engines_per_gpu(CPU, weights, 80 * gib) == 1
     assert engines_per_gpu(GPU, None, 80 * gib) == 1
+
+
+def test_random_weights_have_the_checkpoint_layout_and_depend_on_the_seed(tmp_path):
+    """The same tensor names as a real checkpoint of the architecture (here the built-in model's, saved from
+    transformers), sharded with an index; another seed, other bytes; the folder resolves with its weights."""
+    from safetensors import safe_open
+
+    from captionflow.builtin.model import ensure_builtin_model
+    from captionflow.builtin.standin import write_random_weights
+
+    builtin = ensure_builtin_model()
+    with safe_open(str(builtin / "model.safetensors"), "pt") as f:
+        real = set(f.keys())
+    a = write_random_weights(builtin, tmp_path / "a", seed=0)
+    b = write_random_weights(builtin, tmp_path / "b", seed=1)
+    index = json.loads((a / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == real - {"lm_head.weight"} or set(index["weight_map"]) == real
+    name = sorted(k for k in index["weight_map"] if k.endswith("embed_tokens.weight"))[0]
+    with (
+        safe_open(str(a / index["weight_map"][name]), "pt") as fa,
+        safe_open(str(b / index["weight_map"][name]), "pt") as fb,
+    ):
+        ta, tb = fa.get_tensor(name), fb.get_tensor(name)
+    assert str(ta.dtype) == "torch.bfloat16" and ta.shape == tb.shape and not (ta == tb).all()
+    assert resolve_model(str(a)).fingerprint != resolve_model(str(b)).fingerprint

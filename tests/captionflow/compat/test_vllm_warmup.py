@@ -69,3 +69,87 @@ def test_hook_prebuilds_the_processor_the_first_request_uses(tmp_path):
     assert r["request_misses"] == 0  # ... so the request path finds it
     assert r["request_hits"] >= 1
     assert "HF processor pre-built" in proc.stderr
+
+
+RENDER_SCRIPT = textwrap.dedent("""
+    import asyncio, io, json, threading
+    from captionflow.compat import vllm_warmup
+    vllm_warmup.install()                       # before any vLLM import, as in a Ray worker
+    from PIL import Image
+    from captionflow.builtin.model import ensure_builtin_model
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(model=str(ensure_builtin_model()), max_model_len=1024, enforce_eager=True,
+                           dtype="float32", kv_cache_memory_bytes=256 * 2**20, renderer_num_workers=2,
+                           limit_mm_per_prompt={"image": 1, "video": 0}, mm_processor_cache_gb=0,
+                           mm_processor_kwargs={"max_pixels": 224 * 224})
+    images = [Image.new("RGB", (320, 240), c) for c in ((200, 30, 30), (20, 160, 90), (40, 40, 220))]
+    prompt = ("<|im_start|>user\\n<|vision_start|><|image_pad|><|vision_end|>Describe.<|im_end|>\\n"
+              "<|im_start|>assistant\\n")
+    sp = SamplingParams(max_tokens=12, temperature=0.0)
+
+    import vllm
+    from vllm.renderers import renderer_from_config
+    seen = []
+    cls = type(renderer_from_config(args.create_engine_config()))
+    process = cls._process_multimodal            # patched on the class: the renderer binds it at construction
+    def recording(self, *a, **k):
+        seen.append([TAG[0], threading.current_thread() is threading.main_thread()])
+        return process(self, *a, **k)
+    cls._process_multimodal = recording
+    TAG = [""]
+
+    async def caption(llm, i, add_request, tag):
+        llm.add_request = add_request.__get__(llm)      # this request through the given path
+        TAG[0] = tag
+        out = None
+        request = {"prompt": prompt, "multi_modal_data": {"image": images[i]}}
+        async for out in llm.generate(request, sp, f"r{i}-{tag}"):
+            pass
+        return list(out.outputs[0].token_ids)
+
+    async def main():
+        llm = AsyncLLM.from_engine_args(args)
+        patched = type(llm).add_request
+        original = patched.__wrapped__
+        out = {"patched": [], "original": []}
+        for i in range(len(images)):
+            out["original"].append(await caption(llm, i, original, "original"))
+            out["patched"].append(await caption(llm, i, patched, "patched"))
+        llm.shutdown()
+        return out, seen
+
+    out, seen = asyncio.run(main())
+    print("RESULT " + json.dumps({"out": out, "on_loop_thread": seen, "vllm": vllm.__version__}))
+""")
+
+
+@pytest.mark.slow
+def test_requests_are_rendered_off_the_event_loop_with_the_same_outputs(tmp_path):
+    """With the patch, the engine front end's image processing runs on the renderer's threads, not on the
+    event loop's thread, and greedy outputs equal those of vLLM's own (deprecated) raw-prompt path."""
+    root = Path(__file__).resolve().parents[3]
+    proc = subprocess.run(
+        [sys.executable, "-c", RENDER_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(tmp_path),
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    r = json.loads(lines[-1][len("RESULT ") :])
+    assert r["out"]["patched"] == r["out"]["original"]
+    assert all(len(t) == 12 for t in r["out"]["patched"])
+    assert len({tuple(t) for t in r["out"]["patched"]}) > 1  # the images make a difference
+    # the patched path processes images on the renderer's threads; vLLM's own raw-prompt path did it on the
+    # event loop's (main) thread up to 0.26 (the GPU host's) and moved it off the loop later (the CPU build's 0.29)
+    on_loop = {}
+    for tag, main in r["on_loop_thread"]:
+        on_loop.setdefault(tag, []).append(main)
+    assert on_loop["patched"] == [False] * 3
+    old_vllm = tuple(int(x) for x in r["vllm"].split(".")[:2]) < (0, 27)
+    assert on_loop["original"] == [old_vllm] * 3

@@ -210,3 +210,27 @@ def test_preprocess_workers_keep_freed_memory_between_images(tmp_path):
     # a 640x480 decode needs ~1.2 MB of pixel buffers: ~300 pages when faulted in again
     assert kept < 20, (default, kept)
     assert default > 2 * kept, (default, kept)  # the effect this guards against is real here
+
+
+@pytest.mark.parametrize("size", [(640, 480), (480, 640), (224, 224), (1000, 37), (29, 29), (3000, 2000), (57, 800)])
+def test_images_are_fitted_to_the_grid_the_engines_processor_uses(size):
+    """fit_to_grid resizes to exactly the size transformers' Qwen2-VL processor would, so the engine's processor
+    leaves it as it is and makes the same number of image tokens as from the original."""
+    from transformers import Qwen2VLImageProcessor
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    from captionflow.workers.images import fit_to_grid, grid_size
+
+    grid = (28, 3136, 224 * 224)
+    w, h = size
+    assert grid_size(h, w, grid) == smart_resize(h, w, factor=28, min_pixels=3136, max_pixels=224 * 224)
+    buf = io.BytesIO()
+    Image.new("RGB", size, (120, 30, 200)).save(buf, format="JPEG")
+    fitted, mime = fit_to_grid(buf.getvalue(), grid)
+    assert mime == "image/x-portable-pixmap"
+    im = Image.open(io.BytesIO(fitted))
+    assert (im.height, im.width) == grid_size(h, w, grid) and im.mode == "RGB"
+    proc = Qwen2VLImageProcessor(min_pixels=3136, max_pixels=224 * 224, patch_size=14, merge_size=2)
+    original = proc(images=[Image.open(buf)], return_tensors="np")["image_grid_thw"].tolist()
+    assert proc(images=[im], return_tensors="np")["image_grid_thw"].tolist() == original
+    assert fit_to_grid(buf.getvalue(), None) == (buf.getvalue(), "image/jpeg")  # other processors: as it is
