@@ -6,6 +6,10 @@ that holds a ``config.json`` as a checkpoint, and emit ``captionflow.checkpoint.
 file written atomically (default ``<prefix>/.captionflow-announced.json``), so reruns, overlapping
 schedules and restarts announce nothing twice. A checkpoint is announced only once its
 ``config.json`` exists: write it last when saving.
+
+Nothing is lost silently: the watcher refuses to run without a reachable Prefect API (without
+``PREFECT_API_URL`` Prefect would send the events to a temporary in-process server, and no run would
+ever start), and a checkpoint is recorded as announced only once the server has stored its event.
 """
 
 from __future__ import annotations
@@ -13,11 +17,55 @@ from __future__ import annotations
 import json
 import posixpath
 
+from captionflow.errors import CaptionflowError
 from captionflow.fingerprint import digest
 from captionflow.storage import Store
 from deployments.deploy import EVENT
 
 STATE_NAME = ".captionflow-announced.json"
+CONFIRM_S = 60.0  # how long the server may take to store an event
+
+
+class WatchError(CaptionflowError):
+    """The watcher cannot announce checkpoints; what it says tells why, and nothing was recorded."""
+
+
+def require_api() -> str:
+    """The Prefect API URL, once it answers; else WatchError."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        raise WatchError(
+            "PREFECT_API_URL is not set: the checkpoint events would go to a temporary in-process Prefect server "
+            "and no run would ever start. Point it at your server (prefect config set PREFECT_API_URL=http://"
+            "host:4200/api); nothing was announced"
+        )
+    with get_client(sync_client=True) as client:
+        problem = client.api_healthcheck()
+    if problem is not None:
+        raise WatchError(f"the Prefect API at {url} does not answer ({problem}); nothing was announced")
+    return url
+
+
+def stored_events(ids: list[str], timeout_s: float = CONFIRM_S) -> set[str]:
+    """The ids among ``ids`` of events the server has stored, waiting up to ``timeout_s`` for all of them."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all()  # sent, not only queued in this process
+    found: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            r = client.request("POST", "/events/filter", json={"filter": {"id": {"id": ids}}, "limit": len(ids)})
+            found = {e["id"] for e in r.json()["events"]}
+            if found >= set(ids) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.5)
 
 
 def find_checkpoints(prefix: str) -> list[str]:
@@ -31,15 +79,19 @@ def find_checkpoints(prefix: str) -> list[str]:
 
 
 def watch_once(prefix: str, state: str | None = None) -> list[str]:
-    """Emit one event per checkpoint not yet announced; returns the URIs announced now."""
+    """Emit one event per checkpoint not yet announced; returns the URIs announced now (the server stored
+    their events). Raises WatchError without a reachable API or when the server did not store an event (the
+    others are recorded; the next watch announces the rest)."""
     from prefect.events import emit_event
 
+    require_api()
     store = Store(prefix)
     state_store, state_name = (
         (Store(posixpath.dirname(state)), posixpath.basename(state)) if state else (store, STATE_NAME)
     )
     announced: list[str] = json.loads(state_store.read_bytes(state_name)) if state_store.exists(state_name) else []
     new = [c for c in find_checkpoints(prefix) if c not in set(announced)]
+    sent: dict[str, str] = {}
     for uri in new:
         event = emit_event(
             event=EVENT,
@@ -50,7 +102,17 @@ def watch_once(prefix: str, state: str | None = None) -> list[str]:
             payload={"uri": uri},
         )
         if event is None:
-            raise RuntimeError("Prefect events are not enabled: set PREFECT_API_URL to your Prefect server")
-        announced.append(uri)
-        state_store.write_json(announced, state_name)  # after each event: a crash re-announces nothing
-    return new
+            raise WatchError("Prefect events are not enabled in this process: set PREFECT_API_URL to your server")
+        sent[str(event.id)] = uri
+    if not sent:
+        return []
+    stored = stored_events(list(sent))
+    done = [uri for i, uri in sent.items() if i in stored]
+    state_store.write_json(announced + done, state_name)
+    if len(done) < len(sent):
+        missing = sorted(uri for i, uri in sent.items() if i not in stored)
+        raise WatchError(
+            f"the Prefect server did not store the events of {missing} within {CONFIRM_S:.0f} s: not recorded as "
+            "announced; the next watch announces them again"
+        )
+    return done

@@ -27,7 +27,7 @@ def _add_config_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) 
         elif typing.get_origin(base) is typing.Literal:
             p.add_argument(flag, dest=name, choices=typing.get_args(base), default=None, help=help_)
         elif name == "engine_kwargs":
-            p.add_argument(flag, dest=name, type=json.loads, default=None, help=help_ + " (JSON object)")
+            p.add_argument(flag, dest=name, type=_json_object, default=None, help=help_ + " (JSON object)")
         else:
             p.add_argument(
                 flag,
@@ -36,6 +36,16 @@ def _add_config_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) 
                 default=None,
                 help=f"{help_} (default: {field.default!r})" if field.default is not None else help_,
             )
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object ({{...}}), got {text!r}")
+    return value
 
 
 def _summary_text(s: dict) -> str:
@@ -210,11 +220,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_watch(args: argparse.Namespace) -> int:
     import time
 
-    from deployments.watcher import watch_once
+    from deployments.watcher import WatchError, watch_once
 
     while True:
-        for uri in watch_once(args.prefix, args.state):
-            print(f"announced {uri}")
+        try:
+            announced = watch_once(args.prefix, args.state)
+        except WatchError as e:
+            print(f"captionflow watch: {e}", file=sys.stderr)
+            return 1
+        for uri in announced:
+            print(f"announced {uri}", flush=True)
         if not args.every:
             return 0
         time.sleep(args.every)
@@ -245,6 +260,15 @@ def cmd_demo_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("captionflow")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     # No network at run time: the temporary Prefect server's telemetry would try (and log an ERROR).
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -254,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="captionflow", description="Batch image captioning and VLM checkpoint evaluation."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the flow: ingest, preprocess, inference, evaluate")
     run.add_argument("--config", help="YAML file of parameters (command-line options win)")
@@ -297,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         help="build the built-in tiny model (into the cache, or DIR), or a "
         "full-size architecture stand-in without weights (--arch)",
     )
-    bm.add_argument("dir", nargs="?")
+    bm.add_argument("dir", nargs="?", help="where to write it (default: the built-in model in the cache)")
     bm.add_argument("--seed", type=int, default=0, help="other random weights: a stand-in for another checkpoint")
     bm.add_argument(
         "--arch",
@@ -307,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     bm.set_defaults(func=cmd_build_model)
     dd = sub.add_parser("demo-data", help="assemble the demo dataset (into the cache, or DIR)")
-    dd.add_argument("dir", nargs="?")
+    dd.add_argument("dir", nargs="?", help="where to write it (default: the cache)")
     dd.set_defaults(func=cmd_demo_data)
     args = parser.parse_args(argv)
     try:

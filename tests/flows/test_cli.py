@@ -67,3 +67,41 @@ def test_a_malformed_config_file_is_one_line(tmp_path, capsys):
     assert main(["run", "--config", str(cfg)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"captionflow: invalid parameters: config file {cfg}:2:") and "\n" not in err
+
+
+def test_the_watcher_refuses_without_a_prefect_api_and_records_nothing(tmp_path):
+    """Without PREFECT_API_URL the events would go to a temporary in-process server and no run would start:
+    the watcher must exit non-zero, say why, and not record the checkpoint as announced."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ckpt = tmp_path / "ckpts" / "step-1000"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text("{}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")  # no profile that could name a server
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "watch", str(tmp_path / "ckpts")],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "PREFECT_API_URL is not set" in proc.stderr and "announced" not in proc.stdout
+    assert not (tmp_path / "ckpts" / ".captionflow-announced.json").exists()
+
+
+def test_version_and_json_option_errors_say_what(capsys):
+    from flows.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("captionflow ")
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--engine-kwargs", "[1, 2]"])
+    assert e.value.code == 2 and "expected a JSON object" in capsys.readouterr().err
