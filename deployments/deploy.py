@@ -1,13 +1,13 @@
 """Create captionflow's Prefect deployments (what ``captionflow deploy`` runs).
 
-Two deployments of the ``captionflow`` flow, both with the full run config as parameters
+Two deployments of the ``captionflow`` flow, both with every run parameter (a RunConfig field) as a default
 (``enforce_parameter_schema``: the UI's Custom run form is the typed RunConfig, with titles and
 descriptions) and a concurrency limit of 1, so two runs never write the same outputs at once:
 
 - ``golden-nightly``: a cron schedule (default 02:00 UTC) over the golden set with the configured
   model (point ``model`` at the "latest" checkpoint path or alias);
 - ``on-checkpoint``: an event trigger on ``captionflow.checkpoint.created``; the event's
-  ``payload.uri`` becomes the run's ``config.model`` (the rest of the config is the deployment's).
+  ``payload.uri`` becomes the run's ``model`` parameter (every other parameter keeps the deployment's default).
 
 Emit that event from a training script (``prefect event emit captionflow.checkpoint.created
 --resource-id captionflow.checkpoint.<name> --payload '{"uri": "s3://.../step-2000"}'`` or
@@ -32,7 +32,8 @@ def checkpoint_trigger(base: RunConfig):
     """A deployment trigger: each checkpoint event starts a run with the event's URI as the model."""
     from prefect.events import DeploymentEventTrigger
 
-    params: dict[str, Any] = {"config": {**base.model_dump(mode="json"), "model": "{{ event.payload.uri }}"}}
+    # the model only: every other parameter is the deployment's default (Prefect merges top-level parameters)
+    params: dict[str, Any] = {"model": "{{ event.payload.uri }}"}
     return DeploymentEventTrigger(
         name="captionflow: new checkpoint",
         expect={EVENT},
@@ -67,7 +68,7 @@ def deploy(
     source = prefect_flow.from_source(source=str(ROOT), entrypoint=ENTRYPOINT)
     common: dict[str, Any] = {
         "work_pool_name": work_pool,
-        "parameters": {"config": base.model_dump(mode="json")},
+        "parameters": base.model_dump(mode="json"),
         "concurrency_limit": 1,
         "enforce_parameter_schema": True,
         "build": False,

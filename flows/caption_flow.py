@@ -13,6 +13,7 @@ from prefect import flow
 
 from captionflow.config import RunConfig
 from captionflow.results import RunSummary
+from flows.parameters import with_config_parameters
 from tasks.evaluate import evaluate_task
 from tasks.inference import inference_task
 from tasks.ingest import ingest_task
@@ -23,8 +24,10 @@ from tasks.results import stage_results
 
 
 @flow(name="captionflow")
-def caption_flow(config: RunConfig = RunConfig()) -> dict:
-    """Caption a dataset with a VLM checkpoint and score the captions. Returns the run summary."""
+@with_config_parameters()
+def caption_flow(config: RunConfig) -> dict:
+    """Caption a dataset with a VLM checkpoint and score the captions. Returns the run summary.
+    Its parameters are RunConfig's fields (flows/parameters.py)."""
     checked = preflight_task(config)
     with stage_results(config.output) as stages:
         ing = ingest_task(config)

@@ -124,7 +124,7 @@ def _flow_call(fn, **kwargs):
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.caption_flow import caption_flow
 
-    summary = _flow_call(caption_flow, config=_config(args))
+    summary = _flow_call(caption_flow, **_config(args).model_dump())
     print(_summary_text(summary))
     if args.summary_json:
         with open(args.summary_json, "w", encoding="utf-8") as fh:
@@ -135,7 +135,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from flows.compare_flow import compare_checkpoints
 
-    result = _flow_call(compare_checkpoints, config=_config(args), models=args.models)
+    result = _flow_call(compare_checkpoints, **_config(args).model_dump(), models=tuple(args.models))
     keys = ("bleu_4", "rouge_l", "cider", "meteor", "judge_mean")
     print(f"{'model':40}" + "".join(f"{k:>12}" for k in keys))
     for row in result["leaderboard"]:

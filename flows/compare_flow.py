@@ -8,6 +8,8 @@ open issue: remote Ray workers do not inherit ``PREFECT_API_URL``; set it in the
 
 from __future__ import annotations
 
+import inspect
+
 from prefect import flow
 
 from captionflow.config import RunConfig
@@ -15,14 +17,18 @@ from captionflow.model_source import resolve_model
 from captionflow.report import read_leaderboard
 from captionflow.storage import Store
 from flows.caption_flow import caption_flow
+from flows.parameters import with_config_parameters
+
+MODELS = inspect.Parameter("models", inspect.Parameter.KEYWORD_ONLY, default=("builtin",), annotation=tuple[str, ...])
 
 
 @flow(name="captionflow-compare")
-def compare_checkpoints(config: RunConfig = RunConfig(), models: tuple[str, ...] = ("builtin",)) -> dict:
+@with_config_parameters(MODELS)
+def compare_checkpoints(config: RunConfig, models: tuple[str, ...] = ("builtin",)) -> dict:
     """Run the caption flow for each checkpoint (training order) and return their leaderboard rows."""
     # every checkpoint checked before any run starts
     resolved = [resolve_model(m, dummy_weights=config.dummy_weights()) for m in models]
-    runs = [caption_flow(config=config.model_copy(update={"model": m})) for m in models]
+    runs = [caption_flow(**config.model_copy(update={"model": m}).model_dump()) for m in models]
     store = Store(config.output)
     board = read_leaderboard(store)
     wanted = {r["run_dir"] for r in runs}

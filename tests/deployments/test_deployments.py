@@ -26,17 +26,18 @@ def test_deploy_creates_schedule_trigger_and_typed_form(prefect_api, tmp_path):
         assert [s.schedule.cron for s in nightly.schedules] == ["0 3 * * *"]
         assert nightly.enforce_parameter_schema
         assert nightly.global_concurrency_limit is not None and nightly.global_concurrency_limit.limit == 1
-        assert nightly.parameters["config"]["output"] == str(tmp_path / "out")
-        props = nightly.parameter_openapi_schema["definitions"]["RunConfig"]["properties"]
-        assert props["model"]["title"] == "Model" and "hub id" in props["model"]["description"]
+        assert nightly.parameters["output"] == str(tmp_path / "out")
+        props = nightly.parameter_openapi_schema["properties"]
+        assert set(props) == set(RunConfig.model_fields)  # one parameter per field, each described
+        assert all(p.get("description") for p in props.values())
+        assert "hub id" in props["model"]["description"] and props["device"]["enum"] == ["auto", "cpu", "gpu"]
         on_ckpt = client.read_deployment(ids["on-checkpoint"])
         automations = client.read_resource_related_automations(f"prefect.deployment.{on_ckpt.id}")
         assert len(automations) == 1
         trig = automations[0].trigger
         assert EVENT in trig.expect
         action = automations[0].actions[0]
-        assert action.parameters["config"]["model"] == "{{ event.payload.uri }}"
-        assert action.parameters["config"]["output"] == str(tmp_path / "out")
+        assert action.parameters == {"model": "{{ event.payload.uri }}"}  # the rest: the deployment's
 
 
 def test_watcher_announces_each_checkpoint_once(prefect_api, tmp_path):
@@ -88,8 +89,25 @@ def test_checkpoint_event_starts_a_run_with_that_model(prefect_api, tmp_path):
             all_runs = client.read_flow_runs(
                 deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[uuid.UUID(ids["on-checkpoint"])]))
             )
-            runs = [r for r in all_runs if r.parameters["config"]["model"] == uri]
+            runs = [r for r in all_runs if r.parameters.get("model") == uri]
             time.sleep(1)
     assert len(runs) == 1, "the checkpoint event did not create exactly one flow run"
-    assert runs[0].parameters["config"]["model"] == uri
-    assert runs[0].parameters["config"]["output"] == str(tmp_path / "out")
+    assert runs[0].parameters["model"] == uri
+    assert runs[0].parameters["output"] == str(tmp_path / "out")  # the deployment's, kept
+
+
+def test_a_custom_run_that_sets_one_parameter_keeps_the_deployments_others(prefect_api, tmp_path):
+    """Prefect merges top-level parameters: setting max_tokens alone must not drop the deployment's dataset,
+    model or output (it did with one nested config parameter)."""
+    from prefect.client.orchestration import get_client
+
+    from deployments.deploy import deploy
+
+    base = RunConfig(output=str(tmp_path / "out"), dataset=str(tmp_path / "golden"), max_tokens=48)
+    ids = deploy(base, work_pool=f"pool-{uuid.uuid4().hex[:6]}")
+    with get_client(sync_client=True) as client:
+        run = client.create_flow_run_from_deployment(uuid.UUID(ids["golden-nightly"]), parameters={"max_tokens": 16})
+        params = client.read_flow_run(run.id).parameters
+    assert params["max_tokens"] == 16
+    assert params["output"] == str(tmp_path / "out") and params["dataset"] == str(tmp_path / "golden")
+    assert RunConfig(**params).model == base.model

@@ -71,13 +71,13 @@ def test_prefect_yaml_matches_the_flow():
     for dep in spec["deployments"]:
         path, func = dep["entrypoint"].split(":")
         assert (ROOT / path).exists() and f"def {func}(" in (ROOT / path).read_text()
-        RunConfig(**dep["parameters"]["config"])  # the parameters validate against the typed form
+        RunConfig(**dep["parameters"])  # the parameters validate against the typed form
         assert dep["enforce_parameter_schema"] and dep["concurrency_limit"] == 1
     names = {d["name"]: d for d in spec["deployments"]}
     assert names["golden-nightly"]["schedules"][0]["cron"]
     trig = names["on-checkpoint"]["triggers"][0]
     assert trig["expect"] == ["captionflow.checkpoint.created"]
-    assert trig["parameters"]["config"]["model"] == "{{ event.payload.uri }}"
+    assert trig["parameters"] == {"model": "{{ event.payload.uri }}"}  # the rest: the deployment's
 
 
 def test_wheelhouse_scripts_parse():

@@ -17,7 +17,7 @@ def test_a_stalled_wait_ends_with_what_it_waited_for(caplog):
             with Watchdog("inference", limit_s=1.0, status=lambda: "3 captions so far", every_s=0.2):
                 while True:  # a Ray iterator waiting for results that never come
                     time.sleep(0.05)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 60  # it ends (limit 1 s), on a loaded machine too: no hang
     assert "inference: 3 captions so far; last result" in caplog.text  # it said so while waiting
 
 
