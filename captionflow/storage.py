@@ -95,9 +95,11 @@ class Store:
         p = self.path(*parts)
         if not self.is_local:
             self.fs.invalidate_cache(p)
-        if not self.fs.exists(p):
+        try:
+            found = self.fs.ls(p, detail=False)
+        except FileNotFoundError:  # never there, or its last object deleted meanwhile by another writer
             return []
-        return sorted(x for x in self.fs.ls(p, detail=False) if x.endswith(suffix))
+        return sorted(x for x in found if x.endswith(suffix))
 
     def write_bytes(self, data: bytes, *parts: str) -> str:
         """Atomically write ``data``; returns the path."""
