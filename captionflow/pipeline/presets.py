@@ -5,11 +5,13 @@ with ``max(physical cores, ceil(sum of the declared shares) + 1)`` logical CPUs,
 can be placed at once on a small machine (``pipeline/session.py``; docs/sizing.md). The shares are
 bookkeeping: the busy process is the vLLM engine, which sizes its own threads to the physical cores.
 
-The GPU preset runs one engine per GPU: one engine reads the weights once per decoding step for every
-sequence in flight, where several engines on one GPU each read them for their own smaller batches. Its
-front end processes images on ``renderer_workers`` threads (vLLM's renderer pool), fed by Ray Data's CPU
-stages spread over the host (image decoding in PrepareMultimodalStage actors, chat templates). The
-sizing rule for other GPUs and hosts is in docs/sizing.md; ``engines_per_gpu`` still sets several.
+The GPU preset runs as many engines per GPU as its front ends need to keep the GPU fed, at most
+``max_engines_per_gpu`` and as many as fit in memory (weights + a fixed KV cache + overhead each): one vLLM
+0.26 engine's front end (one process) prepares ~120 images/s at 224 px while the GPU drains ~530 (H100),
+so one engine alone leaves the GPU three quarters idle; four share it under CUDA MPS. Images reach the
+engines already fitted to the model's patch grid by Ray Data's CPU stages spread over the host. The rule
+and the measurements are in docs/sizing.md; ``engines_per_gpu`` overrides it. The warm engine service
+runs one engine per GPU (``EngineSettings.single_engine``).
 """
 
 from __future__ import annotations
@@ -101,7 +103,9 @@ GPU = Preset(
         "max_num_batched_tokens": 16384,
     },
     cpu_stage_concurrency=4,  # light with images fitted to the grid upstream; each actor imports vLLM at start
-    max_engines_per_gpu=1,
+    # 4: the most that one H100's memory holds for a 3B model (7 + 4 + 4 GiB each), and the fewest whose
+    # front ends (~120 img/s each at 224 px) can feed its ~530 img/s (docs/sizing.md)
+    max_engines_per_gpu=4,
     kv_cache_bytes=4 * 2**30,  # each engine's when several share a GPU (engines_per_gpu > 1)
     engine_overhead_bytes=4 * 2**30,
     max_tasks_in_flight_per_actor=32,  # 16 batches of 32 in flight, 16 more queued behind them

@@ -71,7 +71,8 @@ PROCESSOR_FILES = (
 def engine_spec(model: ResolvedModel, engine: EngineSettings) -> str:
     """What two runs must share to use the same engine: the architecture (config.json, without names and
     paths), the tokenizer, chat template and image processor (the warm stages load them once), and the
-    engine arguments. Checkpoints that differ only in weights share it."""
+    engine arguments that can change a caption (``EngineSettings.output_params``: not memory, layout or
+    where the compile cache lives). Checkpoints that differ only in weights share it."""
     root = Path(model.path)
     conf = json.loads((root / "config.json").read_text(encoding="utf-8"))
     for k in ("_name_or_path", "name_or_path", "transformers_version"):
@@ -85,8 +86,7 @@ def engine_spec(model: ResolvedModel, engine: EngineSettings) -> str:
         {
             "config": conf,
             "files": small,
-            "engine_kwargs": engine.engine_kwargs,
-            "device": engine.preset.name,
+            "output": engine.output_params(),
             "tensor_parallel_size": engine.tensor_parallel_size,
         }
     )
@@ -167,6 +167,7 @@ def _deploy(model: ResolvedModel, engine: EngineSettings) -> float:
     from captionflow.pipeline.engine_server import CaptionEngine
 
     t0 = time.perf_counter()
+    engine = engine.single_engine()  # one long-lived replica owns its GPU(s), whatever a run's layout is
     preset = engine.preset
     actor_options: dict[str, Any] = {
         "num_cpus": preset.engine_cpus,

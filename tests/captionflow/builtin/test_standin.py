@@ -51,12 +51,14 @@ def test_weightless_folder_needs_dummy_load_format(standin):
     assert resolve_model(str(standin), dummy_weights=True).architecture == "Qwen2_5_VLForConditionalGeneration"
 
 
-def test_one_engine_per_gpu_unless_asked_for_more(standin):
+def test_engines_per_gpu_as_many_as_fit_up_to_the_presets_most(standin):
     gib = 2**30
     weights = model_weight_bytes(str(standin))
     assert weights == json.loads((standin / "captionflow_model.json").read_text())["parameters"] * 2
-    assert engines_per_gpu(GPU, weights, 80 * gib) == 1  # one engine reads the weights once per step for all
-    assert engines_per_gpu(GPU, 15 * gib, 80 * gib) == 1
+    assert engines_per_gpu(GPU, weights, 80 * gib) == GPU.max_engines_per_gpu == 4  # 3B: 4 x (7 + 4 + 4) GiB
+    assert engines_per_gpu(GPU, 15 * gib, 80 * gib) == 3  # 23 GiB each: three fit in 90% of 80
+    assert engines_per_gpu(GPU, 30 * gib, 80 * gib) == 1  # 38 GiB each
+    assert engines_per_gpu(GPU, 70 * gib, 80 * gib) == 1
     assert engines_per_gpu(GPU, weights, 80 * gib, tensor_parallel_size=2) == 1
     assert engines_per_gpu(GPU, weights, 80 * gib, override=2) == 2  # several, when asked
     assert engines_per_gpu(CPU, weights, 80 * gib) == 1

@@ -41,18 +41,44 @@ def test_engine_settings_take_the_preset_then_the_runs_overrides(builtin_model_d
     assert e.engine_kwargs["enforce_eager"] is False and e.engine_kwargs["max_num_seqs"] == 5  # engine_kwargs win
 
 
-def test_gpu_layout_is_one_engine_per_gpu_fed_by_renderer_threads(builtin_model_dir):
+def test_gpu_layout_shares_each_gpu_between_the_engines_that_feed_it(builtin_model_dir):
     model = resolve_model("builtin")
     e = resolve_engine(RunConfig(gpu_memory_gib=80, cuda_mps="off"), model, GPU, gpus=2, local_ray=True)
-    assert e.engines_per_gpu == 1 and e.concurrency == 2 and e.gpu_share == 1.0  # every GPU of the cluster
-    assert "kv_cache_memory_bytes" not in e.engine_kwargs  # one engine per GPU sizes its KV cache itself
+    assert e.engines_per_gpu == GPU.max_engines_per_gpu and e.concurrency == 2 * e.engines_per_gpu
+    assert e.gpu_share == 1.0 / e.engines_per_gpu
+    assert e.engine_kwargs["kv_cache_memory_bytes"] == GPU.kv_cache_bytes  # fixed: they share the GPU
     assert e.engine_kwargs["renderer_num_workers"] >= 2 and e.engine_kwargs["mm_processor_cache_gb"] == 0
+    one = e.single_engine()  # the warm service's replica: one engine owns its GPU
+    assert one.engines_per_gpu == 1 and one.gpu_share == 1.0 and one.concurrency == 2 and one.mps == "off"
+    assert "kv_cache_memory_bytes" not in one.engine_kwargs  # alone on its GPU, it sizes its KV cache itself
+    assert one.engine_kwargs["gpu_memory_utilization"] == GPU.engine_kwargs["gpu_memory_utilization"]
+    assert one.compile_dir == e.compile_dir and one.output_params() == e.output_params()
+    assert one.single_engine() is one
     assert e.engine_kwargs["compilation_config"]["cache_dir"].endswith(
         model.architecture + "/" + e.engine_kwargs["compilation_config"]["cache_dir"].rsplit("/", 1)[-1]
     )
-    several = resolve_engine(RunConfig(engines_per_gpu=4, gpu_memory_gib=80, cuda_mps="off"), model, GPU, gpus=2)
-    assert several.engines_per_gpu == 4 and several.concurrency == 8 and several.gpu_share == 0.25
-    assert several.engine_kwargs["kv_cache_memory_bytes"] == GPU.kv_cache_bytes  # fixed: they share the GPU
+    alone = resolve_engine(RunConfig(engines_per_gpu=1, gpu_memory_gib=80, cuda_mps="off"), model, GPU, gpus=2)
+    assert alone.engines_per_gpu == 1 and alone.concurrency == 2 and alone.gpu_share == 1.0
+    assert "kv_cache_memory_bytes" not in alone.engine_kwargs and alone.single_engine() is alone
+
+
+def test_a_warm_engine_serves_every_run_whose_captions_it_would_write(builtin_model_dir, monkeypatch):
+    """The service's spec ignores layout, memory, the compile cache's place and vLLM's logging environment
+    (a run and the service it used disagreed on an H100: the service was replaced instead of hot-swapped)."""
+    from captionflow.pipeline.service import engine_spec
+
+    model = resolve_model("builtin")
+    monkeypatch.delenv("VLLM_NO_USAGE_STATS", raising=False)
+    run = resolve_engine(RunConfig(gpu_memory_gib=80, cuda_mps="off"), model, GPU, gpus=1)
+    monkeypatch.setenv("VLLM_NO_USAGE_STATS", "1")  # set in the process once it has started Ray
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "1")
+    service = resolve_engine(RunConfig(gpu_memory_gib=80, engines_per_gpu=1, cuda_mps="off"), model, GPU, gpus=1)
+    assert service.compile_dir == run.compile_dir
+    assert engine_spec(model, service) == engine_spec(model, run) == engine_spec(model, run.single_engine())
+    other = resolve_engine(RunConfig(gpu_memory_gib=80, max_model_len=2048), model, GPU, gpus=1)
+    assert engine_spec(model, other) != engine_spec(model, run)  # a setting that can change captions
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "FLASHINFER")  # can change the graphs: another cache
+    assert resolve_engine(RunConfig(gpu_memory_gib=80), model, GPU, gpus=1).compile_dir != run.compile_dir
 
 
 def test_compiled_graphs_are_keyed_on_the_architecture_not_the_checkpoint_path(builtin_model_dir, tmp_path):
