@@ -174,6 +174,14 @@ class RunConfig(BaseModel):
         description="A Parquet row that gives an image path, not bytes, may only name a file under the dataset's own "
         "folder on the same store; with this, any path or URL the row names is read.",
     )
+    regression_threshold: float = Field(
+        0.05,
+        ge=0.0,
+        title="Relative drop of the primary metric that counts as a regression",
+        description="When the run's CIDEr is below the best comparable run's (same dataset, same generation "
+        "settings) by more than this fraction of it, the run emits the Prefect event captionflow.checkpoint.regressed "
+        "with the deltas (captionflow deploy --notify-block turns it into a notification).",
+    )
     lease_wait_s: int = Field(
         3600,
         ge=0,

@@ -161,6 +161,9 @@ class RunSummary:
     report: str
     reused: int = 0
     engines: str = "per-run"
+    model_fingerprint: str = ""
+    flow_run_id: str = ""
+    regression: Optional[dict[str, Any]] = None  # the alert's payload when the checkpoint regressed
 
     @classmethod
     def build(
@@ -171,6 +174,7 @@ class RunSummary:
         evaluation: EvalResult,
         stages: list[StageRecord],
         total_s: float,
+        flow_run_id: str = "",
     ) -> RunSummary:
         cached = [s.name for s in stages if s.state == "Cached"]
         timings = {f"{s.name}_s": round(s.seconds, 2) for s in stages if s.name != "preflight"}
@@ -210,6 +214,8 @@ class RunSummary:
             report=evaluation.report,
             reused=inference.reused,
             engines=inference.engines,
+            model_fingerprint=inference.run_parts[2] if len(inference.run_parts) > 2 else "",
+            flow_run_id=str(flow_run_id or ""),
         )
 
     def to_dict(self) -> dict:

@@ -1,15 +1,16 @@
-"""The captionflow flow: preflight -> ingest -> preprocess -> inference -> [judge] -> evaluate -> summary.
+"""The captionflow flow: preflight -> ingest -> preprocess -> inference -> [judge] -> evaluate -> publish.
 
 Each stage is a Prefect task (``tasks/``) with its retries and cache key on its decorator. Stages after
 the listing are cached on content fingerprints (dataset, model, generation settings), never the run
 id, with results persisted under the output root: a new run with the same inputs - a Custom run from
 the UI, a schedule, a rerun by hand - shows them as Cached and does no work, unless storage no longer
-holds what they produced.
+holds what they produced. ``publish`` is never cached: every run, a cached rerun too, shows its tables, report
+and regression alert in the UI; the summary is the flow's persisted result.
 """
 
 from __future__ import annotations
 
-from prefect import flow
+from prefect import flow, runtime
 
 from captionflow.config import RunConfig
 from captionflow.results import RunSummary
@@ -20,10 +21,11 @@ from tasks.ingest import ingest_task
 from tasks.judge import judge_task
 from tasks.preflight import preflight_task
 from tasks.preprocess import preprocess_task
+from tasks.publish import publish_task
 from tasks.results import stage_results
 
 
-@flow(name="captionflow")
+@flow(name="captionflow", persist_result=True)
 @with_config_parameters()
 def caption_flow(config: RunConfig) -> dict:
     """Caption a dataset with a VLM checkpoint and score the captions. Returns the run summary.
@@ -35,4 +37,6 @@ def caption_flow(config: RunConfig) -> dict:
         captions = inference_task(config, manifest, checked)
         judged = judge_task(config, manifest, captions, checked) if checked.judge else None
         scored = evaluate_task(config, manifest, captions, judged)
-    return RunSummary.build(ing, manifest, captions, scored, stages.records, stages.elapsed()).to_dict()
+    summary = RunSummary.build(ing, manifest, captions, scored, stages.records, stages.elapsed(), runtime.flow_run.id)
+    summary.regression = publish_task(config, summary.to_dict())
+    return summary.to_dict()

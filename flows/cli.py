@@ -85,6 +85,14 @@ def _summary_text(s: dict) -> str:
         ),
         "  time      " + ", ".join(f"{k} {v}s" for k, v in t.items()),
         f"  report    {s['report']}",
+        *(
+            [
+                f"  REGRESSED {r['metric']} {r['value']:.4f} is {100 * r['relative_drop']:.1f}% below the best "
+                f"comparable run's {r['best_value']:.4f} ({r['best_model']}): event captionflow.checkpoint.regressed"
+            ]
+            if (r := s.get("regression"))
+            else []
+        ),
     ]
     return "\n".join(lines)
 
@@ -152,9 +160,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_deploy(args: argparse.Namespace) -> int:
     from deployments.deploy import deploy
 
-    ids = deploy(_config(args), work_pool=args.work_pool, cron=args.cron, pool_type=args.pool_type, image=args.image)
+    ids = deploy(
+        _config(args),
+        work_pool=args.work_pool,
+        cron=args.cron,
+        pool_type=args.pool_type,
+        image=args.image,
+        notify_block=args.notify_block,
+    )
     for name, dep_id in ids.items():
-        print(f"deployment captionflow/{name}: {dep_id}")
+        print(
+            f"automation {name!r}: {dep_id}"
+            if name.startswith("captionflow:")
+            else f"deployment captionflow/{name}: {dep_id}"
+        )
     print(f"start a worker: prefect worker start --pool {args.work_pool}")
     return 0
 
@@ -297,6 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     dep.add_argument("--pool-type", default="process", choices=["process", "kubernetes", "docker"])
     dep.add_argument("--cron", default="0 2 * * *", help="schedule of the golden-nightly deployment (UTC)")
     dep.add_argument("--image", help="container image with captionflow installed (kubernetes/docker pools)")
+    dep.add_argument(
+        "--notify-block",
+        metavar="TYPE/NAME",
+        help="a saved Prefect notification block: automations send to it when a checkpoint regressed "
+        "(captionflow.checkpoint.regressed) and when a captionflow automation's action failed",
+    )
     _add_config_options(dep)
     dep.set_defaults(func=cmd_deploy)
     srv = sub.add_parser(

@@ -1,4 +1,4 @@
-"""Stage 4, evaluate: metrics, per-image scores, the report (also a Prefect artifact) and the leaderboard row."""
+"""Stage 4, evaluate: metrics, per-image scores, the report and the leaderboard row (published by tasks/publish.py)."""
 
 from __future__ import annotations
 
@@ -26,18 +26,6 @@ def _missing(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, jud
     return missing_files(Store(cfg.output), tuple(inference.run_parts), ("scores.parquet", "metrics.json", "report.md"))
 
 
-def publish_report(report_uri: str) -> None:
-    """The report as the run's ``caption-report`` markdown artifact."""
-    from prefect.artifacts import create_markdown_artifact
-
-    from captionflow.storage import open_fs
-
-    fs, path = open_fs(report_uri)
-    create_markdown_artifact(
-        markdown=fs.cat_file(path).decode("utf-8"), key="caption-report", description="captionflow evaluation report"
-    )
-
-
 @task(
     name="evaluate",
     retries=2,
@@ -51,6 +39,4 @@ def publish_report(report_uri: str) -> None:
 def evaluate_task(
     cfg: RunConfig, manifest: Manifest, inference: InferenceResult, judge: Optional[JudgeResult]
 ) -> EvalResult:
-    result = evaluate(cfg.output, manifest, inference, cfg.model, judge, cfg.coco_java)
-    publish_report(result.report)
-    return result
+    return evaluate(cfg.output, manifest, inference, cfg.model, judge, cfg.coco_java)

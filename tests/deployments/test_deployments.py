@@ -111,3 +111,35 @@ def test_a_custom_run_that_sets_one_parameter_keeps_the_deployments_others(prefe
     assert params["max_tokens"] == 16
     assert params["output"] == str(tmp_path / "out") and params["dataset"] == str(tmp_path / "golden")
     assert RunConfig(**params).model == base.model
+
+
+def test_deploy_installs_the_regression_and_failure_automations(prefect_api, tmp_path):
+    import pytest
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+    from prefect.client.orchestration import get_client
+
+    from captionflow.preflight import OptionError
+    from deployments.deploy import FAILED_AUTOMATION, REGRESSED_AUTOMATION, deploy
+
+    base = RunConfig(output=str(tmp_path / "out"), dataset="demo")
+    pool = f"pool-{uuid.uuid4().hex[:6]}"
+    with pytest.raises(OptionError, match="no saved Prefect block 'custom-webhook/nobody'"):
+        deploy(base, work_pool=pool, notify_block="custom-webhook/nobody")  # refused before anything is created
+    with get_client(sync_client=True) as client:
+        assert not [p for p in client.read_work_pools() if p.name == pool]
+    name = f"team-{uuid.uuid4().hex[:6]}"
+    block_id = CustomWebhookNotificationBlock(name="team", url="http://127.0.0.1:9/hook").save(name)
+    for _ in range(2):  # deploying again replaces them, never duplicates
+        ids = deploy(base, work_pool=pool, notify_block=f"custom-webhook/{name}")
+    with get_client(sync_client=True) as client:
+        for auto_name, expected in (
+            (REGRESSED_AUTOMATION, "captionflow.checkpoint.regressed"),
+            (FAILED_AUTOMATION, "prefect.automation.action.failed"),
+        ):
+            autos = client.read_automations_by_name(auto_name)
+            assert len(autos) == 1 and str(autos[0].id) == ids[auto_name]
+            assert autos[0].trigger.expect == {expected}
+            assert autos[0].actions[0].type == "send-notification"
+            assert autos[0].actions[0].block_document_id == block_id
+        dep = client.read_deployment(ids["golden-nightly"])
+        assert dep.concurrency_options is not None and dep.concurrency_options.collision_strategy == "ENQUEUE"

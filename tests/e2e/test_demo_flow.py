@@ -72,6 +72,24 @@ def test_rerun_reuses_dataset_and_captions(demo_run):
     assert "inference.ray_init_s" not in second["timings_s"]
 
 
+def test_a_cached_rerun_publishes_its_artifacts_too(demo_run):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    _, s, second = demo_run
+    assert s["flow_run_id"] and second["flow_run_id"] and s["flow_run_id"] != second["flow_run_id"]
+    with get_client(sync_client=True) as client:
+        for run in (s, second):
+            arts = client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run["flow_run_id"]]))
+            )
+            keys = {a.key for a in arts}
+            assert {"run-counts", "quarantine", "stage-timings", "inference-passes", "caption-report"} <= keys, keys
+            flow_run = client.read_flow_run(run["flow_run_id"])
+            assert flow_run.state.is_completed()
+            assert flow_run.state.result()["run_dir"] == run["run_dir"]  # the summary, persisted
+
+
 def test_judge_answers_always_parse(demo_run):
     _, s, _ = demo_run
     j = s["metrics"]["judge"]

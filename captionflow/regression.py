@@ -1,0 +1,42 @@
+"""Is this checkpoint worse than the best comparable one? The regression alert's decision and its payload.
+
+Comparable: the same dataset and the same generation settings (``report.update_leaderboard`` never compares
+across them). The primary metric is CIDEr; a dataset without references has none, and gets no alert.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+EVENT = "captionflow.checkpoint.regressed"
+PRIMARY = "cider"
+
+
+def regression(summary: dict[str, Any], threshold: float) -> Optional[dict[str, Any]]:
+    """The alert's payload when the run's primary metric is below the best comparable run's by more than
+    ``threshold`` (a fraction of the best), else None."""
+    metrics = summary.get("metrics") or {}
+    value = (metrics.get("reference") or {}).get(PRIMARY)
+    best = ((metrics.get("comparison") or {}).get("best_so_far")) or {}
+    delta = best.get(PRIMARY)
+    if value is None or delta is None or delta >= 0:
+        return None
+    best_value = value - delta
+    relative = -delta / abs(best_value) if best_value else float("inf")
+    if relative <= threshold:
+        return None
+    previous = (metrics.get("comparison") or {}).get("previous") or {}
+    return {
+        "metric": PRIMARY,
+        "value": value,
+        "best_value": best_value,
+        "delta": delta,
+        "relative_drop": round(relative, 6),
+        "threshold": threshold,
+        "run_dir": summary.get("run_dir"),
+        "best_model": best.get("model"),
+        "best_run_dir": best.get("run_dir"),
+        "deltas_vs_best": {k: v for k, v in best.items() if k not in ("model", "run_dir")},
+        "deltas_vs_previous": {k: v for k, v in previous.items() if k not in ("model", "run_dir")} or None,
+        "previous_model": previous.get("model"),
+    }

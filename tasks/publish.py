@@ -1,0 +1,106 @@
+"""The run's last stage: what the Prefect UI shows of it and the regression alert.
+
+Never cached, so a rerun whose every other stage was a cache hit publishes its tables, its report and its
+alert too. Table artifacts: ``run-counts``, ``quarantine`` (reasons with examples), ``stage-timings``,
+``inference-passes``; markdown: ``caption-report``. The flow's return value (the summary) is persisted too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from prefect import task
+from prefect.logging import get_run_logger
+
+from captionflow.config import RunConfig
+from captionflow.regression import EVENT, regression
+from captionflow.storage import Store, open_fs
+from tasks.retry import retry_transient
+
+EXAMPLES = 3
+
+
+def quarantine_table(dataset_dir: str, reasons: dict[str, int]) -> list[dict[str, Any]]:
+    """One row per quarantine reason: its count and up to three files with their details."""
+    if not reasons:
+        return []
+    examples: dict[str, list[str]] = {}
+    try:
+        store = Store(dataset_dir)
+        for r in store.read_table(store.path("quarantine.parquet")).select(["reason", "source", "detail"]).to_pylist():
+            got = examples.setdefault(r["reason"], [])
+            if len(got) < EXAMPLES:
+                got.append(f"{r['source']}: {r['detail']}")
+    except (OSError, KeyError, ValueError):  # the counts still say what happened
+        pass
+    return [{"reason": k, "count": n, "examples": " | ".join(examples.get(k, []))} for k, n in sorted(reasons.items())]
+
+
+def publish_artifacts(summary: dict[str, Any]) -> None:
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    c = summary["counts"]
+    create_table_artifact(
+        key="run-counts",
+        table=[{"what": k, "count": v} for k, v in c.items()]
+        + [{"what": "captioned in earlier runs", "count": summary.get("resumed_from", 0)}],
+        description=f"images of {summary['dataset_dir']} -> {summary['run_dir']}",
+    )
+    create_table_artifact(
+        key="quarantine",
+        table=quarantine_table(summary["dataset_dir"], summary.get("quarantine_reasons") or {})
+        or [{"reason": "(none)", "count": 0, "examples": ""}],
+        description=f"quarantined images by reason ({summary['dataset_dir']}/quarantine.parquet)",
+    )
+    cached = set(summary.get("cached_stages") or [])
+    create_table_artifact(
+        key="stage-timings",
+        table=[
+            {"stage": k[:-2], "seconds": v, "cached": k[:-2] in cached}
+            for k, v in summary["timings_s"].items()
+            if k.endswith("_s") and "." not in k
+        ],
+        description="seconds per stage (cached: a Prefect cache hit, no work done)",
+    )
+    create_table_artifact(
+        key="inference-passes",
+        table=summary.get("passes") or [{"attempt": "-", "sent": 0, "captioned": 0, "failed": 0}],
+        description="inference passes: rows sent, captioned and failed in each (failed rows are retried alone)",
+    )
+    fs, path = open_fs(summary["report"])
+    create_markdown_artifact(
+        markdown=fs.cat_file(path).decode("utf-8"), key="caption-report", description="captionflow evaluation report"
+    )
+
+
+def emit_regression(cfg: RunConfig, summary: dict[str, Any], payload: dict[str, Any]) -> None:
+    from prefect.events import emit_event
+
+    emit_event(
+        event=EVENT,
+        resource={
+            "prefect.resource.id": f"captionflow.checkpoint.{summary.get('model_fingerprint') or 'unknown'}",
+            "prefect.resource.name": cfg.model,
+            "captionflow.dataset": summary["dataset_dir"],
+        },
+        payload={"model": cfg.model, **payload},
+    )
+
+
+@task(name="publish", retries=1, retry_delay_seconds=[5], retry_condition_fn=retry_transient)
+def publish_task(cfg: RunConfig, summary: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """Publish the run's artifacts; emit ``captionflow.checkpoint.regressed`` when the checkpoint regressed.
+    Returns the regression's payload (None: none)."""
+    publish_artifacts(summary)
+    found = regression(summary, cfg.regression_threshold)
+    if found:
+        get_run_logger().warning(
+            "regression: %s %s is %.1f%% below the best comparable run's (%s, %s)",
+            found["metric"],
+            found["value"],
+            100 * found["relative_drop"],
+            found["best_model"],
+            found["best_value"],
+        )
+        emit_regression(cfg, summary, found)
+    return found

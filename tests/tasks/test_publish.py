@@ -1,0 +1,134 @@
+"""The publish stage against a real Prefect API: table and markdown artifacts of the flow run, the regression
+event stored by the server (and none without a regression)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from prefect import flow
+
+from captionflow.config import RunConfig
+from tasks.publish import publish_task
+
+
+@flow
+def _publish(cfg: RunConfig, summary: dict):
+    from prefect import runtime
+
+    return str(runtime.flow_run.id), publish_task(cfg, summary)
+
+
+def _summary(tmp_path, cider_delta):
+    ds = tmp_path / "dataset"
+    ds.mkdir()
+    pq.write_table(
+        pa.table(
+            {
+                "source": ["a.jpg", "b.png", "c.gif", "d.jpg"],
+                "reason": ["decode_error", "decode_error", "too_small", "decode_error"],
+                "detail": ["truncated", "bad crc", "7x7", "no eoi"],
+            }
+        ),
+        ds / "quarantine.parquet",
+    )
+    report = tmp_path / "report.md"
+    report.write_text("# captionflow report\n\n## Headline metrics\n", encoding="utf-8")
+    return {
+        "dataset_dir": str(ds),
+        "run_dir": str(tmp_path / "run"),
+        "counts": {"total": 10, "accepted": 6, "quarantined": 4, "duplicates": 0, "captioned": 6, "failed": 0},
+        "quarantine_reasons": {"decode_error": 3, "too_small": 1},
+        "timings_s": {
+            "ingest_s": 0.1,
+            "preprocess_s": 0.0,
+            "inference_s": 0.0,
+            "inference.ray_init_s": 2.0,
+            "total_s": 3.0,
+        },
+        "cached_stages": ["preprocess", "inference"],
+        "passes": [{"attempt": 0, "sent": 6, "captioned": 6, "failed": 0, "seconds": 1.0, "first_row_s": 0.5}],
+        "report": str(report),
+        "resumed_from": 0,
+        "model_fingerprint": uuid.uuid4().hex[:16],
+        "metrics": {
+            "reference": {"cider": 0.5},
+            "comparison": {"best_so_far": {"model": "step-1000", "run_dir": "runs/best", "cider": cider_delta}},
+        },
+    }
+
+
+def _artifacts(flow_run_id: str) -> dict:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        got = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+    return {a.key: a for a in got}
+
+
+def _rows(artifact) -> list[dict]:
+    """A table artifact's rows (the server keeps its data as a JSON string)."""
+    import json
+
+    return json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+
+
+def _regression_events(fingerprint: str, wait_s: float) -> list[dict]:
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all()
+    deadline = time.monotonic() + wait_s
+    with get_client(sync_client=True) as client:
+        while True:
+            r = client.request(
+                "POST",
+                "/events/filter",
+                json={
+                    "filter": {
+                        "event": {"name": ["captionflow.checkpoint.regressed"]},
+                        "resource": {"id": [f"captionflow.checkpoint.{fingerprint}"]},
+                    },
+                    "limit": 10,
+                },
+            )
+            events = r.json()["events"]
+            if events or time.monotonic() > deadline:
+                return events
+            time.sleep(0.5)
+
+
+def test_publish_shows_the_run_and_alerts_on_a_regression(prefect_api, tmp_path):
+    summary = _summary(tmp_path, cider_delta=-0.5)  # best 1.0, this 0.5
+    run_id, found = _publish(RunConfig(model="step-2000", regression_threshold=0.1), summary)
+    assert found and found["relative_drop"] == 0.5 and found["best_model"] == "step-1000"
+    arts = _artifacts(run_id)
+    assert {"run-counts", "quarantine", "stage-timings", "inference-passes", "caption-report"} <= set(arts)
+    by_reason = {r["reason"]: r for r in _rows(arts["quarantine"])}
+    assert by_reason["decode_error"]["count"] == 3 and "a.jpg: truncated" in by_reason["decode_error"]["examples"]
+    assert by_reason["decode_error"]["examples"].count("|") == 2  # three examples at most
+    assert {r["stage"]: r["cached"] for r in _rows(arts["stage-timings"])} == {
+        "ingest": False,
+        "preprocess": True,
+        "inference": True,
+        "total": False,
+    }
+    assert "## Headline metrics" in arts["caption-report"].data
+    events = _regression_events(summary["model_fingerprint"], wait_s=30)
+    assert len(events) == 1
+    payload = events[0]["payload"]
+    assert payload["model"] == "step-2000" and payload["metric"] == "cider" and payload["delta"] == -0.5
+
+
+def test_no_regression_no_event(prefect_api, tmp_path):
+    summary = _summary(tmp_path, cider_delta=-0.01)  # 2% below the best: within 0.05
+    run_id, found = _publish(RunConfig(model="step-3000"), summary)
+    assert found is None
+    assert "run-counts" in _artifacts(run_id)
+    assert _regression_events(summary["model_fingerprint"], wait_s=3) == []
