@@ -152,3 +152,36 @@ def render_report(
                 lines.append(f"| {r['source']} | {cap} | {refs} | {r['cider']:.3f} |")
             lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def leaderboard_rows(
+    store: Store, dataset: str | None = None, generation: str | None = None, model: str | None = None
+) -> list[dict]:
+    """Leaderboard rows, newest first, filtered by a prefix of the dataset or generation fingerprint and by a
+    substring of the model."""
+    rows = [
+        r
+        for r in read_leaderboard(store)
+        if (not dataset or r["dataset_fingerprint"].startswith(dataset))
+        and (not generation or r["generation_fingerprint"].startswith(generation))
+        and (not model or model in r["model"])
+    ]
+    return rows[::-1]
+
+
+def leaderboard_table(rows: list[dict]) -> str:
+    """Rows as an aligned text table (fingerprints shortened to 8 characters)."""
+    cols = ("evaluated_at", "dataset", "generation", "model", "n", "cider", "bleu_4", "rouge_l", "judge")
+
+    def cell(r: dict, c: str) -> str:
+        v = {
+            "dataset": r["dataset_fingerprint"][:8],
+            "generation": r["generation_fingerprint"][:8],
+            "n": r.get("n_captions"),
+            "judge": r.get("judge_mean"),
+        }.get(c, r.get(c))
+        return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
+
+    table = [list(cols)] + [[cell(r, c) for c in cols] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in table)

@@ -162,8 +162,11 @@ class Store:
 
     def read_table(self, path: str, columns: Iterable[str] | None = None) -> pa.Table:
         """Read one Parquet file given its full path (as returned by ``ls``)."""
+        cols = list(columns) if columns else None
+        if self.is_local:  # native reads; a Python file object also left pyarrow 26 a thread that could abort
+            return pq.read_table(path, columns=cols)  # the process at exit ("terminate called ...")
         with self.fs.open(path, "rb") as fh:
-            return pq.read_table(fh, columns=list(columns) if columns else None)
+            return pq.read_table(fh, columns=cols)
 
     def read_tables(self, paths: Iterable[str], columns: Iterable[str] | None = None) -> pa.Table | None:
         tables = [self.read_table(p, columns) for p in paths]

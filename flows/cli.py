@@ -178,6 +178,75 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_leaderboard(args: argparse.Namespace) -> int:
+    from captionflow.report import leaderboard_rows, leaderboard_table
+    from captionflow.storage import Store
+
+    rows = leaderboard_rows(Store(args.output), args.dataset, args.generation, args.model)[: args.limit]
+    if args.json:
+        print(json.dumps(rows, indent=2, sort_keys=True))
+    elif not rows:
+        print(
+            f"no leaderboard rows under {args.output}"
+            + (" matching the filters" if (args.dataset or args.generation or args.model) else "")
+        )
+    else:
+        print(leaderboard_table(rows))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Deployments with their last runs, captionflow's automations, the warm engine service, the leaderboard's head."""
+    from captionflow.report import leaderboard_rows, leaderboard_table
+    from captionflow.storage import Store
+    from deployments.watcher import WatchError, require_api
+
+    out: list[str] = []
+    try:
+        url = require_api()
+    except WatchError as e:
+        out.append(f"Prefect API: {str(e).split('; nothing')[0]}: no deployments or runs shown")
+        url = None
+    if url:
+        out.append(f"Prefect API: {url}")
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowFilter, FlowFilterName
+        from prefect.client.schemas.sorting import FlowRunSort
+
+        with get_client(sync_client=True) as client:
+            deps = client.read_deployments(flow_filter=FlowFilter(name=FlowFilterName(any_=["captionflow"])))
+            out.append(f"deployments ({len(deps)}):")
+            for d in deps:
+                runs = client.read_flow_runs(
+                    deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[d.id])),
+                    sort=FlowRunSort.START_TIME_DESC,
+                    limit=args.runs,
+                )
+                sched = ", ".join(s.schedule.cron for s in d.schedules if getattr(s.schedule, "cron", None)) or "-"
+                out.append(f"  captionflow/{d.name}  pool {d.work_pool_name}  schedule {sched}  paused {d.paused}")
+                for r in runs:
+                    when = r.start_time.isoformat(timespec="seconds") if r.start_time else "not started"
+                    out.append(
+                        f"    {r.name:<24} {r.state_name or '-':<10} {when}  model {r.parameters.get('model', '-')}"
+                    )
+            autos = [a for a in client.read_automations() if a.name.startswith("captionflow:")]
+            out.append(
+                f"automations ({len(autos)}): "
+                + (", ".join(f"{a.name!r} {'on' if a.enabled else 'off'}" for a in autos) or "-")
+            )
+    from captionflow.pipeline.service_address import local_service_address
+
+    addr = local_service_address()
+    where = f"runs here ({addr}); captionflow serve --status for what it holds" if addr else "none on this machine"
+    out.append(f"warm engine service: {where}")
+    rows = leaderboard_rows(Store(args.output))[: args.rows]
+    out.append(f"leaderboard {args.output}: " + ("empty" if not rows else f"newest {len(rows)}"))
+    if rows:
+        out.append(leaderboard_table(rows))
+    print("\n".join(out))
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Start the warm engine service (foreground on a local Ray, detached on a cluster), or stop or show it."""
     import math
@@ -335,6 +404,19 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--status", action="store_true", help="show what the running service has loaded and who uses it")
     _add_config_options(srv)
     srv.set_defaults(func=cmd_serve)
+    lb = sub.add_parser("leaderboard", help="the leaderboard of an output root, newest first (table or JSON)")
+    lb.add_argument("--output", default=RunConfig.model_fields["output"].default, help="the output root")
+    lb.add_argument("--dataset", help="only this dataset (a prefix of its fingerprint)")
+    lb.add_argument("--generation", help="only these generation settings (a prefix of their fingerprint)")
+    lb.add_argument("--model", help="only models whose name contains this")
+    lb.add_argument("--limit", type=int, default=50, help="at most this many rows")
+    lb.add_argument("--json", action="store_true", help="the rows as JSON, every field")
+    lb.set_defaults(func=cmd_leaderboard)
+    st = sub.add_parser("status", help="deployments and their last runs, automations, warm engines, leaderboard head")
+    st.add_argument("--output", default=RunConfig.model_fields["output"].default, help="the output root")
+    st.add_argument("--runs", type=int, default=3, help="last runs shown per deployment")
+    st.add_argument("--rows", type=int, default=5, help="leaderboard rows shown")
+    st.set_defaults(func=cmd_status)
     w = sub.add_parser("watch", help="announce new checkpoints under a storage prefix as Prefect events")
     w.add_argument("prefix", help="local folder or s3:// prefix holding checkpoint folders")
     w.add_argument(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from captionflow.config import RunConfig
@@ -105,3 +107,68 @@ def test_version_and_json_option_errors_say_what(capsys):
     with pytest.raises(SystemExit) as e:
         main(["run", "--engine-kwargs", "[1, 2]"])
     assert e.value.code == 2 and "expected a JSON object" in capsys.readouterr().err
+
+
+def _board(tmp_path):
+    from captionflow.report import update_leaderboard
+    from captionflow.storage import Store
+
+    store = Store(str(tmp_path / "out"))
+    metrics = lambda c: {"stats": {"n_captions": 10, "failure_rate": 0.0}, "reference": {"cider": c, "bleu_4": c / 10}}
+    update_leaderboard(store, "dsaaaaaaaa", ("runs", "dsaaaaaaaa", "m1", "gen16xxxx"), "step-1000", metrics(0.5))
+    update_leaderboard(store, "dsaaaaaaaa", ("runs", "dsaaaaaaaa", "m2", "gen32xxxx"), "step-2000", metrics(0.7))
+    update_leaderboard(store, "dsbbbbbbbb", ("runs", "dsbbbbbbbb", "m2", "gen16xxxx"), "step-2000", metrics(0.1))
+    return str(tmp_path / "out")
+
+
+def test_leaderboard_filters_and_prints_a_table_or_json(tmp_path, capsys):
+    from flows.cli import main
+
+    out = _board(tmp_path)
+    assert main(["leaderboard", "--output", out]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["evaluated_at", "dataset", "generation", "model"] and len(lines) == 4
+    assert main(["leaderboard", "--output", out, "--dataset", "dsaa", "--generation", "gen16", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["model"], r["cider"]) for r in rows] == [("step-1000", 0.5)]
+    assert main(["leaderboard", "--output", out, "--model", "step-2", "--json"]) == 0
+    assert {r["dataset_fingerprint"] for r in json.loads(capsys.readouterr().out)} == {"dsaaaaaaaa", "dsbbbbbbbb"}
+    assert main(["leaderboard", "--output", str(tmp_path / "empty")]) == 0
+    assert "no leaderboard rows" in capsys.readouterr().out
+
+
+def test_status_shows_deployments_runs_automations_and_the_board(prefect_api, tmp_path, capsys):
+    import uuid
+
+    from captionflow.config import RunConfig
+    from deployments.deploy import deploy
+    from flows.cli import main
+
+    out = _board(tmp_path)
+    pool = f"pool-{uuid.uuid4().hex[:6]}"
+    deploy(RunConfig(output=out, dataset="demo"), work_pool=pool)
+    assert main(["status", "--output", out]) == 0
+    text = capsys.readouterr().out
+    assert "Prefect API: http" in text
+    assert f"captionflow/golden-nightly  pool {pool}" in text and "captionflow/on-checkpoint" in text
+    assert "warm engine service:" in text and "leaderboard" in text and "step-2000" in text
+
+
+def test_status_without_a_prefect_api_says_so(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = _board(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["PREFECT_API_URL"] = ""
+    p = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "status", "--output", out],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert p.returncode == 0, (p.stdout, p.stderr[-3000:])
+    assert "PREFECT_API_URL is not set" in p.stdout and "no deployments or runs shown" in p.stdout
+    assert "step-1000" in p.stdout  # the board still shows
