@@ -107,6 +107,12 @@ def render_report(
     for k in ("bleu_1", "bleu_4", "rouge_l", "cider", "meteor"):
         if k in ref:
             lines.append(f"| {k} | {ref[k]:.4f} |")
+    if not ref:
+        why = (
+            "no reference metric: the dataset has no reference captions (a `captions.jsonl` beside the images, or "
+            "a captions column); turn on `judge` for a reference-free score"
+        )
+        lines.append(f"| {why} | - |")
     lines += [
         f"| words per caption (mean) | {s['words']['mean']:.1f} |",
         f"| truncated at max_tokens | {s['truncated_rate']:.1%} |",
@@ -128,6 +134,14 @@ def render_report(
             "",
         ]
     comp = metrics.get("comparison") or {}
+    if comp and not (comp.get("previous") or comp.get("best_so_far")):
+        lines += [
+            "## Against earlier checkpoints on this dataset",
+            "",
+            "None to compare: no earlier run on this dataset with the same generation settings (prompt, "
+            "max_tokens, sampling, engine settings that change captions); comparisons never cross them.",
+            "",
+        ]
     if comp.get("previous") or comp.get("best_so_far"):
         lines += [
             "## Against earlier checkpoints on this dataset",

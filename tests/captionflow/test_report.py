@@ -118,3 +118,8 @@ def test_report_shows_counts_metrics_and_best_and_worst_captions():
     assert "| previous | `old` |" in text and "-0.2500" in text
     best = text[text.index("## Best captions") : text.index("## Worst captions")]
     assert best.index("img3.jpg") < best.index("img2.jpg") and "a \\| cat 3" in best
+    assert "no reference metric" not in text and "None to compare" not in text
+    alone = {**metrics, "reference": {}, "comparison": {"previous": None, "best_so_far": None, "runs_on_dataset": 1}}
+    text = render_report("ckpt-9", manifest, inference, alone, [])
+    assert "no reference metric: the dataset has no reference captions" in text  # says why, and what to do
+    assert "None to compare: no earlier run on this dataset with the same generation settings" in text
