@@ -174,6 +174,14 @@ class RunConfig(BaseModel):
         description="A Parquet row that gives an image path, not bytes, may only name a file under the dataset's own "
         "folder on the same store; with this, any path or URL the row names is read.",
     )
+    bootstrap_resamples: int = Field(
+        1000,
+        ge=0,
+        title="Bootstrap resamples for comparisons",
+        description="Each comparison with an earlier checkpoint (the previous and the best comparable run) gets a "
+        "paired bootstrap over images with this many resamples (fixed seed): per metric the delta, its 95% interval "
+        "and a verdict (better / worse / no detectable difference, Holm-corrected over the metrics); 0: none.",
+    )
     regression_threshold: float = Field(
         0.05,
         ge=0.0,

@@ -11,6 +11,7 @@ from captionflow.layout import CAPTIONS, SCORES, shard_paths
 from captionflow.metrics import length_stats, reference_metrics
 from captionflow.report import render_report, update_leaderboard
 from captionflow.results import EvalResult, InferenceResult, JudgeResult, Manifest
+from captionflow.significance import PER_IMAGE, paired_bootstrap
 from captionflow.storage import Store
 
 
@@ -21,6 +22,7 @@ def evaluate(
     model_source: str,
     judge: Optional[JudgeResult] = None,
     coco_java: bool = False,
+    bootstrap_resamples: int = 1000,
 ) -> EvalResult:
     """Score the captions of one run; write scores.parquet, metrics.json, report.md; update the leaderboard."""
     t0 = time.perf_counter()
@@ -58,6 +60,30 @@ def evaluate(
     )
     store.write_table(scores, *run, "scores.parquet")
     metrics["comparison"] = update_leaderboard(store, manifest.dataset_fingerprint, run, model_source, metrics)
+    if bootstrap_resamples:
+        add_significance(metrics["comparison"], scores.to_pylist(), bootstrap_resamples)
     store.write_json(metrics, *run, "metrics.json")
     store.write_text(render_report(model_source, manifest, inference, metrics, scores.to_pylist()), *run, "report.md")
     return EvalResult(metrics=metrics, report=store.url(*run, "report.md"), seconds=round(time.perf_counter() - t0, 2))
+
+
+def per_image(rows: list[dict]) -> dict[str, dict]:
+    """image id -> its per-image scores under the leaderboard's metric names."""
+    return {r["image_id"]: {m: r.get(col) for m, col in PER_IMAGE.items()} for r in rows}
+
+
+def add_significance(comparison: dict, rows: list[dict], n_resamples: int) -> None:
+    """A paired bootstrap (captionflow/significance.py) against each run the comparison names, from that
+    run's scores.parquet; a run whose scores cannot be read gets the reason instead."""
+    mine = per_image(rows)
+    for label in ("previous", "best_so_far"):
+        other = comparison.get(label)
+        if not other:
+            continue
+        try:
+            theirs = Store(other["run_dir"])
+            table = theirs.read_table(theirs.path("scores.parquet"))
+        except (OSError, ValueError) as e:
+            other["significance"] = {"error": f"cannot read {other['run_dir']}/scores.parquet: {e}"}
+            continue
+        other["significance"] = paired_bootstrap(mine, per_image(table.to_pylist()), n_resamples=n_resamples)

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 EVENT = "captionflow.checkpoint.regressed"
 PRIMARY = "cider"
+NOT_DELTAS = ("model", "run_dir", "significance")
 
 
 def regression(summary: dict[str, Any], threshold: float) -> Optional[dict[str, Any]]:
@@ -36,7 +37,9 @@ def regression(summary: dict[str, Any], threshold: float) -> Optional[dict[str, 
         "run_dir": summary.get("run_dir"),
         "best_model": best.get("model"),
         "best_run_dir": best.get("run_dir"),
-        "deltas_vs_best": {k: v for k, v in best.items() if k not in ("model", "run_dir")},
-        "deltas_vs_previous": {k: v for k, v in previous.items() if k not in ("model", "run_dir")} or None,
+        "deltas_vs_best": {k: v for k, v in best.items() if k not in NOT_DELTAS},
+        "deltas_vs_previous": {k: v for k, v in previous.items() if k not in NOT_DELTAS} or None,
+        # the paired bootstrap's verdict on the primary metric (None: not computed)
+        "verdict_vs_best": ((best.get("significance") or {}).get(PRIMARY) or {}).get("verdict"),
         "previous_model": previous.get("model"),
     }

@@ -86,6 +86,34 @@ def compact_leaderboard(store: Store) -> None:
             store.write_table(pa.Table.from_pylist(rows), LEADERBOARD)
 
 
+def significance_lines(comp: dict) -> list[str]:
+    """The paired bootstrap of each comparison (captionflow/significance.py) as a table."""
+    lines: list[str] = []
+    for label in ("previous", "best_so_far"):
+        d = comp.get(label) or {}
+        sig = d.get("significance")
+        if not sig:
+            continue
+        if "error" in sig:
+            lines += [f"Is the difference against `{d['model']}` real? Not computed: {sig['error']}", ""]
+            continue
+        n = max((v["n_images"] for v in sig.values()), default=0)
+        lines += [
+            f"### Is the difference real? Against the {label.replace('_', ' ')} run `{d['model']}` "
+            f"(paired bootstrap over {n} images)",
+            "",
+            "| metric | Δ | 95% interval | p (Holm) | verdict |",
+            "|---|---|---|---|---|",
+        ]
+        for k, v in sig.items():
+            lines.append(
+                f"| {k} | {v['delta']:+.4f} | [{v['ci_low']:+.4f}, {v['ci_high']:+.4f}] | {v['p_holm']:.3f} | "
+                f"**{v['verdict']}** |"
+            )
+        lines.append("")
+    return lines
+
+
 def render_report(
     model_source: str, manifest: Manifest, inference: InferenceResult, metrics: dict, scores: list[dict]
 ) -> str:
@@ -155,6 +183,7 @@ def render_report(
                 cells = " | ".join("" if d[k] is None else f"{d[k]:+.4f}" for k in COMPARED)
                 lines.append(f"| {label.replace('_', ' ')} | `{d['model']}` | {cells} |")
         lines.append("")
+        lines += significance_lines(comp)
     scored = [r for r in scores if r.get("cider") is not None]
     if scored:
         scored.sort(key=lambda r: r["cider"], reverse=True)

@@ -18,7 +18,14 @@ from tasks.retry import retry_transient
 
 def _key(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, judge: Optional[JudgeResult]) -> str:
     return digest(
-        [list(inference.run_parts), inference.captioned, inference.failed, judge and judge.judged, cfg.coco_java]
+        [
+            list(inference.run_parts),
+            inference.captioned,
+            inference.failed,
+            judge and judge.judged,
+            cfg.coco_java,
+            cfg.bootstrap_resamples,
+        ]
     )
 
 
@@ -39,4 +46,4 @@ def _missing(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, jud
 def evaluate_task(
     cfg: RunConfig, manifest: Manifest, inference: InferenceResult, judge: Optional[JudgeResult]
 ) -> EvalResult:
-    return evaluate(cfg.output, manifest, inference, cfg.model, judge, cfg.coco_java)
+    return evaluate(cfg.output, manifest, inference, cfg.model, judge, cfg.coco_java, cfg.bootstrap_resamples)

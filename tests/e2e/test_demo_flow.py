@@ -136,6 +136,13 @@ def test_second_checkpoint_compared_on_leaderboard(demo_run, tmp_path_factory):
     )
     report = Path(second["report"]).read_text(encoding="utf-8")
     assert "Against earlier checkpoints" in report
+    sig = comp["previous"]["significance"]  # a paired bootstrap against the first checkpoint's scores.parquet
+    assert {"cider", "bleu_4", "rouge_l", "judge_mean"} >= set(sig) >= {"cider", "bleu_4", "rouge_l"}
+    for v in sig.values():
+        assert v["n_images"] == s["counts"]["captioned"] and v["ci_low"] <= v["delta"] <= v["ci_high"]
+        assert v["verdict"] in ("better", "worse", "no detectable difference")
+    assert sig["cider"]["delta"] == pytest.approx(comp["previous"]["cider"])  # every image paired: the same delta
+    assert "Is the difference real? Against the previous run" in report
 
 
 def test_flow_runs_recorded_by_prefect_api(demo_run):
