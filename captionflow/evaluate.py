@@ -59,11 +59,12 @@ def evaluate(
         ]
     )
     store.write_table(scores, *run, "scores.parquet")
+    score_rows = scores.to_pylist()
     metrics["comparison"] = update_leaderboard(store, manifest.dataset_fingerprint, run, model_source, metrics)
     if bootstrap_resamples:
-        add_significance(metrics["comparison"], scores.to_pylist(), bootstrap_resamples)
+        add_significance(metrics["comparison"], score_rows, bootstrap_resamples)
     store.write_json(metrics, *run, "metrics.json")
-    store.write_text(render_report(model_source, manifest, inference, metrics, scores.to_pylist()), *run, "report.md")
+    store.write_text(render_report(model_source, manifest, inference, metrics, score_rows), *run, "report.md")
     return EvalResult(metrics=metrics, report=store.url(*run, "report.md"), seconds=round(time.perf_counter() - t0, 2))
 
 

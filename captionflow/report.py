@@ -162,18 +162,16 @@ def render_report(
             "",
         ]
     comp = metrics.get("comparison") or {}
+    if comp:
+        lines += ["## Against earlier checkpoints on this dataset", ""]
     if comp and not (comp.get("previous") or comp.get("best_so_far")):
         lines += [
-            "## Against earlier checkpoints on this dataset",
-            "",
             "None to compare: no earlier run on this dataset with the same generation settings (prompt, "
             "max_tokens, sampling, engine settings that change captions); comparisons never cross them.",
             "",
         ]
     if comp.get("previous") or comp.get("best_so_far"):
         lines += [
-            "## Against earlier checkpoints on this dataset",
-            "",
             "| vs | model | " + " | ".join(f"Δ {k}" for k in COMPARED) + " |",
             "|---|---|" + "---|" * len(COMPARED),
         ]

@@ -163,8 +163,10 @@ class Store:
     def read_table(self, path: str, columns: Iterable[str] | None = None) -> pa.Table:
         """Read one Parquet file given its full path (as returned by ``ls``)."""
         cols = list(columns) if columns else None
-        if self.is_local:  # native reads; a Python file object also left pyarrow 26 a thread that could abort
-            return pq.read_table(path, columns=cols)  # the process at exit ("terminate called ...")
+        # local files by path: read through a Python file object, pyarrow 26 could abort the process at exit
+        # ("terminate called without an active exception")
+        if self.is_local:
+            return pq.read_table(path, columns=cols)
         with self.fs.open(path, "rb") as fh:
             return pq.read_table(fh, columns=cols)
 

@@ -30,23 +30,28 @@ class WatchError(CaptionflowError):
     """The watcher cannot announce checkpoints; what it says tells why, and nothing was recorded."""
 
 
-def require_api() -> str:
-    """The Prefect API URL, once it answers; else WatchError."""
+def api_problem() -> str | None:
+    """Why there is no Prefect API to talk to (None: ``PREFECT_API_URL`` is set and answers)."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL
 
     url = PREFECT_API_URL.value()
     if not url:
-        raise WatchError(
+        return (
             "PREFECT_API_URL is not set: the checkpoint events would go to a temporary in-process Prefect server "
             "and no run would ever start. Point it at your server (prefect config set PREFECT_API_URL=http://"
-            "host:4200/api); nothing was announced"
+            "host:4200/api)"
         )
     with get_client(sync_client=True) as client:
         problem = client.api_healthcheck()
-    if problem is not None:
-        raise WatchError(f"the Prefect API at {url} does not answer ({problem}); nothing was announced")
-    return url
+    return None if problem is None else f"the Prefect API at {url} does not answer ({problem})"
+
+
+def require_api() -> None:
+    """WatchError unless the Prefect API answers."""
+    problem = api_problem()
+    if problem:
+        raise WatchError(f"{problem}; nothing was announced")
 
 
 def stored_events(ids: list[str], timeout_s: float = CONFIRM_S) -> set[str]:

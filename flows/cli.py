@@ -199,17 +199,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     """Deployments with their last runs, captionflow's automations, the warm engine service, the leaderboard's head."""
     from captionflow.report import leaderboard_rows, leaderboard_table
     from captionflow.storage import Store
-    from deployments.watcher import WatchError, require_api
+    from deployments.watcher import api_problem
 
     out: list[str] = []
-    try:
-        url = require_api()
-    except WatchError as e:
-        out.append(f"Prefect API: {str(e).split('; nothing')[0]}: no deployments or runs shown")
-        url = None
-    if url:
-        out.append(f"Prefect API: {url}")
+    problem = api_problem()
+    if problem:
+        out.append(f"Prefect API: {problem}: no deployments or runs shown")
+    else:
         from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_API_URL
+
+        out.append(f"Prefect API: {PREFECT_API_URL.value()}")
         from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowFilter, FlowFilterName
         from prefect.client.schemas.sorting import FlowRunSort
 
