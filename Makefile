@@ -1,6 +1,6 @@
 # captionflow: the two commands of the README.
 #   make run        set up .venv (CPU stack) and run the flow on the built-in model and demo set
-#   make test       set up .venv (CPU stack), lint, and run the whole test suite (what CI runs)
+#   make test       set up .venv (CPU stack) and the Debian packages the tests use, lint, run every test (CI)
 #   make test-fast  the tests not marked slow (no vLLM engine, no end-to-end flow)
 #   make lint       ruff: lint and formatting
 # FLAVOUR=gpu installs the CUDA build of vLLM instead (on a GPU host).
@@ -12,7 +12,7 @@ PIP := $(VENV)/bin/python -m pip
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.installed-$(FLAVOUR)
 
-.PHONY: install run test test-fast lint docs lock clean
+.PHONY: install run test test-fast lint docs lock clean system-deps
 
 install: $(STAMP)
 
@@ -36,10 +36,22 @@ endif
 run: install
 	$(VENV)/bin/captionflow run
 
-test: install lint
+test: install system-deps lint
 	$(VENV)/bin/python -m pytest -q
 
-test-fast: install lint
+# Programs the tests run for real and pip cannot install: Prometheus (scrapes a real run) and Chromium
+# (renders the HTML report). Installed with apt where missing (as root, or through sudo).
+SYSTEM_DEPS := prometheus:prometheus chromium:chromium
+system-deps:
+	@missing=""; for pair in $(SYSTEM_DEPS); do cmd=$${pair%%:*}; pkg=$${pair##*:}; \
+	  command -v $$cmd >/dev/null 2>&1 || missing="$$missing $$pkg"; done; \
+	if [ -n "$$missing" ]; then \
+	  sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
+	  echo "installing$$missing (Debian packages the tests use)"; \
+	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q --no-install-recommends $$missing; \
+	fi
+
+test-fast: install system-deps lint
 	$(VENV)/bin/python -m pytest -q -m "not slow"
 
 lint: install

@@ -129,6 +129,15 @@ class RunConfig(BaseModel):
     ray_address: Optional[str] = Field(
         None, title="Ray address", description="An existing Ray cluster (else RAY_ADDRESS, else a local Ray)."
     )
+    metrics_port: Optional[int] = Field(
+        None,
+        ge=1024,
+        le=65535,
+        title="Prometheus port of a local Ray",
+        description="A local Ray this run starts exports its metrics (Ray Data operators, vLLM engines) on this "
+        "port for Prometheus (infra/prometheus). A cluster's Ray (ray_address) exports its own; there vLLM engine "
+        "metrics are always on.",
+    )
     ray_num_cpus: Optional[int] = Field(
         None,
         ge=1,

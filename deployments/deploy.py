@@ -24,6 +24,7 @@ when an action of any ``captionflow: ...`` automation fails (a checkpoint event 
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -51,16 +52,70 @@ def checkpoint_trigger(base: RunConfig):
     )
 
 
+POOL_TYPES = ("process", "docker", "kubernetes")
+# In an image the flow is imported from the installed package: no host path, no pull step.
+MODULE_ENTRYPOINT = "flows.caption_flow.caption_flow"
+
+
+def base_job_template(pool_type: str) -> dict[str, Any]:
+    """The worker type's own base job template (from its installed worker, else Prefect's bundled collection
+    registry); for Kubernetes with captionflow's two additions: a GPU limit and a memory-backed ``/dev/shm``
+    (Ray's object store and vLLM's workers need more than the container's 64 MiB default)."""
+    from prefect.utilities.asyncutils import run_coro_as_sync
+    from prefect.workers.utilities import get_default_base_job_template_for_infrastructure_type
+
+    from captionflow.preflight import OptionError
+
+    template = run_coro_as_sync(get_default_base_job_template_for_infrastructure_type(pool_type))
+    if not template:
+        raise OptionError(f"work pool type {pool_type!r}: Prefect knows no base job template for it")
+    if pool_type == "kubernetes":
+        props = template["variables"]["properties"]
+        props["gpu_limit"] = {
+            "title": "GPU limit",
+            "description": "nvidia.com/gpu limit of the flow-run pod, e.g. '1' for a run that starts its own "
+            "engines; leave empty when the run uses a Ray cluster's GPUs (ray_address)",
+            "type": "string",
+        }
+        props["shm_size"] = {
+            "title": "/dev/shm size",
+            "description": "size of the memory-backed /dev/shm of the flow-run pod (Ray's object store)",
+            "type": "string",
+            "default": "8Gi",
+        }
+        pod = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        container["resources"]["limits"]["nvidia.com/gpu"] = "{{ gpu_limit }}"
+        container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+        pod["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "{{ shm_size }}"}}]
+    return template
+
+
 def ensure_work_pool(name: str, pool_type: str = "process") -> None:
+    """Create the pool with its type's real base job template; a pool of that name and type created without
+    one (older captionflow) gets it; a pool of another type is an error."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectNotFound
 
+    from captionflow.preflight import OptionError
+
+    if pool_type not in POOL_TYPES:
+        raise OptionError(f"pool_type: expected one of {', '.join(POOL_TYPES)}, got {pool_type!r}")
+    template = base_job_template(pool_type)
     with get_client(sync_client=True) as client:
         try:
-            client.read_work_pool(name)
+            pool = client.read_work_pool(name)
         except ObjectNotFound:
-            client.create_work_pool(WorkPoolCreate(name=name, type=pool_type))
+            client.create_work_pool(WorkPoolCreate(name=name, type=pool_type, base_job_template=template))
+            return
+        if pool.type != pool_type:
+            raise OptionError(
+                f"work pool {name!r} exists with type {pool.type!r}, not {pool_type!r}: "
+                "name another pool (--work-pool) or delete that one"
+            )
+        if not pool.base_job_template.get("variables", {}).get("properties"):
+            client.update_work_pool(name, WorkPoolUpdate(base_job_template=template))
 
 
 def notification_block_id(slug: str):
@@ -130,6 +185,107 @@ def ensure_automations(block_id) -> dict[str, str]:
     return ids
 
 
+def runner_deployments(
+    base: RunConfig, work_pool: str, cron: str = NIGHTLY_CRON, pool_type: str = "process", image: str | None = None
+) -> list:
+    """The two deployments as Prefect ``RunnerDeployment`` objects, not yet applied: what ``deploy`` creates
+    and what ``prefect_yaml`` writes.
+
+    A ``process`` pool runs the flow from this checkout (its path is the deployment's working directory);
+    ``docker`` and ``kubernetes`` pools run ``image`` (required), which carries the code: the flow is imported
+    from the installed package, with no host path and no pull step."""
+    from prefect import flow as prefect_flow
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+    from prefect.deployments.runner import EntrypointType
+
+    from captionflow.preflight import OptionError
+
+    if pool_type not in POOL_TYPES:
+        raise OptionError(f"pool_type: expected one of {', '.join(POOL_TYPES)}, got {pool_type!r}")
+    if pool_type == "process" and image:
+        raise OptionError("--image is for docker and kubernetes pools: a process pool runs this checkout")
+    if pool_type != "process" and not image:
+        raise OptionError(
+            f"a {pool_type} pool runs the flow in a container: pass --image (docs/operations.md says how to build it)"
+        )
+    common: dict[str, Any] = {
+        "parameters": base.model_dump(mode="json"),
+        "concurrency_limit": ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
+        "enforce_parameter_schema": True,
+        "tags": ["captionflow"],
+        "work_pool_name": work_pool,
+    }
+    if image:
+        from flows.caption_flow import caption_flow
+
+        def to_deployment(**kw):
+            return caption_flow.to_deployment(
+                entrypoint_type=EntrypointType.MODULE_PATH, job_variables={"image": image}, **kw, **common
+            )
+    else:
+        source = prefect_flow.from_source(source=str(ROOT), entrypoint=ENTRYPOINT)
+
+        def to_deployment(**kw):
+            return source.to_deployment(**kw, **common)
+
+    return [
+        to_deployment(
+            name="golden-nightly",
+            cron=cron,
+            description="Nightly evaluation of the configured checkpoint on the golden set",
+        ),
+        to_deployment(
+            name="on-checkpoint",
+            triggers=[checkpoint_trigger(base)],
+            description=f"Evaluate each checkpoint announced by a {EVENT} event",
+        ),
+    ]
+
+
+def prefect_yaml(
+    base: RunConfig, work_pool: str, cron: str = NIGHTLY_CRON, pool_type: str = "process", image: str | None = None
+) -> str:
+    """``prefect.yaml`` for ``prefect deploy --all``: the deployments ``deploy`` would create, field for field
+    (``captionflow deploy --prefect-yaml FILE`` writes it; the pool must exist: ``captionflow deploy`` or
+    ``prefect work-pool create`` makes it)."""
+    import prefect
+    import yaml
+
+    entries = []
+    for d in runner_deployments(base, work_pool, cron, pool_type, image):
+        entry: dict[str, Any] = {
+            "name": d.name,
+            "description": d.description,
+            "entrypoint": d.entrypoint,
+            "tags": d.tags,
+            "parameters": copy.deepcopy(d.parameters),  # no YAML anchors between the two
+            "enforce_parameter_schema": d.enforce_parameter_schema,
+            "concurrency_limit": {
+                "limit": d.concurrency_limit,
+                "collision_strategy": d.concurrency_options.collision_strategy.value,
+            },
+        }
+        if d.schedules:
+            entry["schedules"] = [{"cron": sch.schedule.cron, "timezone": "UTC"} for sch in d.schedules]
+        if d.triggers:
+            entry["triggers"] = [
+                {"type": "event", "enabled": True, **t.model_dump(mode="json", exclude_unset=True)} for t in d.triggers
+            ]
+        entry["pull"] = [d.storage.to_pull_step()] if d.storage else []
+        entry["work_pool"] = {"name": work_pool, "work_queue_name": "default"}
+        if d.job_variables:
+            entry["work_pool"]["job_variables"] = d.job_variables
+        entries.append(entry)
+    head = (
+        "# Generated by `captionflow deploy --prefect-yaml` from the same code that creates the deployments through\n"
+        "# the API: edit the options there and regenerate rather than editing this file. Deploy with\n"
+        "#   prefect deploy --prefect-file THIS_FILE --all\n"
+        "# (the work pool must exist: `captionflow deploy` creates it with its base job template)\n"
+    )
+    body = {"name": "captionflow", "prefect-version": prefect.__version__, "deployments": entries}
+    return head + yaml.safe_dump(body, sort_keys=False, width=120)
+
+
 def deploy(
     base: RunConfig,
     work_pool: str = "captionflow",
@@ -138,41 +294,17 @@ def deploy(
     image: str | None = None,
     notify_block: str | None = None,
 ) -> dict[str, str]:
-    """Create or update both deployments (and with ``notify_block`` the two automations); returns
-    {deployment or automation name: id}."""
-    from prefect import flow as prefect_flow
-    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+    """Create or update the pool (with its type's base job template), both deployments and, with
+    ``notify_block``, the two automations; returns {deployment or automation name: id}."""
+    from prefect.deployments.runner import deploy as prefect_deploy
 
+    deployments = runner_deployments(base, work_pool, cron, pool_type, image)  # checks the options first
     block_id = notification_block_id(notify_block) if notify_block else None  # before anything is created
     ensure_work_pool(work_pool, pool_type)
-    source = prefect_flow.from_source(source=str(ROOT), entrypoint=ENTRYPOINT)
-    common: dict[str, Any] = {
-        "work_pool_name": work_pool,
-        "parameters": base.model_dump(mode="json"),
-        "concurrency_limit": ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
-        "enforce_parameter_schema": True,
-        "build": False,
-        "push": False,
-        "print_next_steps": False,
-        "tags": ["captionflow"],
-    }
-    if image:
-        common["image"] = image
-    ids = {
-        "golden-nightly": source.deploy(
-            name="golden-nightly",
-            cron=cron,
-            description="Nightly evaluation of the configured checkpoint on the golden set",
-            **common,
-        ),
-        "on-checkpoint": source.deploy(
-            name="on-checkpoint",
-            triggers=[checkpoint_trigger(base)],
-            description=f"Evaluate each checkpoint announced by a {EVENT} event",
-            **common,
-        ),
-    }
-    out = {k: str(v) for k, v in ids.items()}
+    ids = prefect_deploy(
+        *deployments, work_pool_name=work_pool, image=image, build=False, push=False, print_next_steps_message=False
+    )
+    out = {d.name: str(i) for d, i in zip(deployments, ids)}
     if block_id is not None:
         out.update(ensure_automations(block_id))
     return out

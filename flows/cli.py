@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import typing
+from pathlib import Path
 
 from captionflow.config import RunConfig, load_config
 
@@ -158,8 +159,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    from deployments.deploy import deploy
+    from deployments.deploy import deploy, prefect_yaml
 
+    if args.prefect_yaml:
+        text = prefect_yaml(_config(args), args.work_pool, args.cron, pool_type=args.pool_type, image=args.image)
+        Path(args.prefect_yaml).write_text(text, encoding="utf-8")
+        print(f"wrote {args.prefect_yaml}: prefect deploy --prefect-file {args.prefect_yaml} --all")
+        return 0
     ids = deploy(
         _config(args),
         work_pool=args.work_pool,
@@ -385,6 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     dep.add_argument("--pool-type", default="process", choices=["process", "kubernetes", "docker"])
     dep.add_argument("--cron", default="0 2 * * *", help="schedule of the golden-nightly deployment (UTC)")
     dep.add_argument("--image", help="container image with captionflow installed (kubernetes/docker pools)")
+    dep.add_argument(
+        "--prefect-yaml",
+        metavar="FILE",
+        help="write these deployments as a prefect.yaml (for prefect deploy --all) instead of creating them",
+    )
     dep.add_argument(
         "--notify-block",
         metavar="TYPE/NAME",

@@ -43,6 +43,7 @@ class EngineSettings:
     image_grid: tuple[int, int, int] | None = None
     # engine_kwargs as one engine alone on its GPU would have them (None: this is one alone already)
     solo_engine_kwargs: dict[str, Any] | None = None
+    engine_metrics: bool = False  # vLLM engine metrics exported through Ray's Prometheus endpoint
 
     def single_engine(self) -> EngineSettings:
         """These settings for one engine per GPU (the warm service: one long-lived replica that owns its GPUs)."""
@@ -159,6 +160,7 @@ def resolve_engine(
         env={"VLLM_CACHE_ROOT": str(Path(cfg.compile_cache_dir) / "vllm")} if cfg.compile_cache_dir else {},
         image_grid=image_grid(model.path, max_pixels),
         solo_engine_kwargs=final({}) if layout_kwargs else None,
+        engine_metrics=cfg.metrics_port is not None or not local_ray,
     )
 
 

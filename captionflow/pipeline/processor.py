@@ -90,7 +90,7 @@ def build_vlm_processor(
         max_concurrent_batches=engine.max_concurrent_batches,
         accelerator_type=engine.accelerator_type,
         should_continue_on_error=True,
-        log_engine_metrics=False,
+        log_engine_metrics=engine.engine_metrics,
         runtime_env={"env_vars": {**WORKER_ENV, **ensure_mps(engine.mps)}},
         prepare_multimodal_stage={
             **cpu_stage,

@@ -143,3 +143,94 @@ def test_deploy_installs_the_regression_and_failure_automations(prefect_api, tmp
             assert autos[0].actions[0].block_document_id == block_id
         dep = client.read_deployment(ids["golden-nightly"])
         assert dep.concurrency_options is not None and dep.concurrency_options.collision_strategy == "ENQUEUE"
+
+
+def test_deploy_to_docker_and_kubernetes_pools_runs_the_image_without_a_host_path(prefect_api, tmp_path):
+    import pytest
+    from prefect.client.orchestration import get_client
+
+    from captionflow.preflight import OptionError
+    from deployments.deploy import MODULE_ENTRYPOINT, deploy
+
+    base = RunConfig(output="s3://bucket/out", dataset="s3://bucket/golden")
+    for pool_type in ("docker", "kubernetes"):
+        pool = f"{pool_type}-{uuid.uuid4().hex[:6]}"
+        with pytest.raises(OptionError, match="--image"):
+            deploy(base, work_pool=pool, pool_type=pool_type)
+        ids = deploy(base, work_pool=pool, pool_type=pool_type, image="registry.example/captionflow:1.2")
+        with get_client(sync_client=True) as client:
+            wp = client.read_work_pool(pool)
+            assert wp.type == pool_type
+            props = wp.base_job_template["variables"]["properties"]
+            assert "image" in props and "command" in props  # the worker type's real template
+            for name in ("golden-nightly", "on-checkpoint"):
+                d = client.read_deployment(ids[name])
+                assert d.job_variables["image"] == "registry.example/captionflow:1.2"
+                assert d.entrypoint == MODULE_ENTRYPOINT and not d.pull_steps and not d.path
+                assert d.parameters["output"] == "s3://bucket/out"
+        if pool_type == "kubernetes":
+            pod = wp.base_job_template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
+            assert pod["volumes"][0]["emptyDir"]["medium"] == "Memory"
+            assert pod["containers"][0]["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
+            assert {"gpu_limit", "shm_size", "namespace", "service_account_name"} <= set(props)
+    with pytest.raises(OptionError, match="exists with type 'kubernetes'"):
+        deploy(base, work_pool=pool, pool_type="docker", image="x:1")
+    with pytest.raises(OptionError, match="process pool runs this checkout"):
+        deploy(base, work_pool=f"p-{uuid.uuid4().hex[:6]}", pool_type="process", image="x:1")
+
+
+def _snapshot(client, dep_id) -> dict:
+    d = client.read_deployment(dep_id)
+    (auto,) = client.read_resource_related_automations(f"prefect.deployment.{d.id}") or [None]
+    return {
+        "name": d.name,
+        "description": d.description,
+        "entrypoint": d.entrypoint,
+        "pull_steps": d.pull_steps or [],
+        "job_variables": d.job_variables,
+        "parameters": d.parameters,
+        "tags": d.tags,
+        "enforce_parameter_schema": d.enforce_parameter_schema,
+        "work_pool": d.work_pool_name,
+        "concurrency": (d.global_concurrency_limit.limit, d.concurrency_options.collision_strategy.value),
+        "crons": [(s.schedule.cron, s.schedule.timezone or "UTC") for s in d.schedules],
+        "trigger": auto and (sorted(auto.trigger.expect), auto.trigger.match.model_dump(), auto.actions[0].parameters),
+    }
+
+
+def test_prefect_yaml_deploys_exactly_what_captionflow_deploy_creates(prefect_api, tmp_path):
+    """One source of deployment truth: the prefect.yaml captionflow writes, deployed by `prefect deploy`,
+    gives the same deployments as `captionflow deploy` through the API."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    from deployments.deploy import deploy, prefect_yaml
+
+    base = RunConfig(output="s3://bucket/out", dataset="s3://bucket/golden", max_tokens=48)
+    pool, image = f"docker-{uuid.uuid4().hex[:6]}", "registry.example/captionflow:7"
+    ids = deploy(base, work_pool=pool, pool_type="docker", image=image, cron="15 4 * * *")
+    with get_client(sync_client=True) as client:
+        by_api = {name: _snapshot(client, i) for name, i in ids.items()}
+        for i in ids.values():
+            client.delete_deployment(i)
+    spec = tmp_path / "prefect.yaml"
+    spec.write_text(prefect_yaml(base, pool, "15 4 * * *", pool_type="docker", image=image))
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(
+        [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", str(spec), "--all"],
+        cwd=root,
+        env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with get_client(sync_client=True) as client:
+        by_yaml = {name: _snapshot(client, client.read_deployment_by_name(f"captionflow/{name}").id) for name in ids}
+    assert by_yaml == by_api
+    assert by_api["on-checkpoint"]["trigger"][2] == {"model": "{{ event.payload.uri }}"}
