@@ -41,10 +41,10 @@ test: install system-deps lint
 
 # Programs the tests run for real and pip cannot install: Prometheus (scrapes a real run) and Chromium
 # (renders the HTML report). Installed with apt where missing (as root, or through sudo).
-SYSTEM_DEPS := prometheus:prometheus chromium:chromium
+# Each is a Debian package and the command it installs.
+SYSTEM_DEPS := prometheus chromium
 system-deps:
-	@missing=""; for pair in $(SYSTEM_DEPS); do cmd=$${pair%%:*}; pkg=$${pair##*:}; \
-	  command -v $$cmd >/dev/null 2>&1 || missing="$$missing $$pkg"; done; \
+	@missing=""; for pkg in $(SYSTEM_DEPS); do command -v $$pkg >/dev/null 2>&1 || missing="$$missing $$pkg"; done; \
 	if [ -n "$$missing" ]; then \
 	  sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
 	  echo "installing$$missing (Debian packages the tests use)"; \

@@ -53,8 +53,6 @@ def checkpoint_trigger(base: RunConfig):
 
 
 POOL_TYPES = ("process", "docker", "kubernetes")
-# In an image the flow is imported from the installed package: no host path, no pull step.
-MODULE_ENTRYPOINT = "flows.caption_flow.caption_flow"
 
 
 def base_job_template(pool_type: str) -> dict[str, Any]:
@@ -100,8 +98,6 @@ def ensure_work_pool(name: str, pool_type: str = "process") -> None:
 
     from captionflow.preflight import OptionError
 
-    if pool_type not in POOL_TYPES:
-        raise OptionError(f"pool_type: expected one of {', '.join(POOL_TYPES)}, got {pool_type!r}")
     template = base_job_template(pool_type)
     with get_client(sync_client=True) as client:
         try:

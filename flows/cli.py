@@ -10,6 +10,7 @@ import typing
 from pathlib import Path
 
 from captionflow.config import RunConfig, load_config
+from deployments.deploy import POOL_TYPES
 
 
 def _add_config_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -388,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     dep = sub.add_parser("deploy", help="create the Prefect deployments (nightly golden run, checkpoint trigger)")
     dep.add_argument("--config", help="YAML file of parameters: the deployments' default run config")
     dep.add_argument("--work-pool", default="captionflow", help="work pool (created if missing)")
-    dep.add_argument("--pool-type", default="process", choices=["process", "kubernetes", "docker"])
+    dep.add_argument("--pool-type", default="process", choices=POOL_TYPES)
     dep.add_argument("--cron", default="0 2 * * *", help="schedule of the golden-nightly deployment (UTC)")
     dep.add_argument("--image", help="container image with captionflow installed (kubernetes/docker pools)")
     dep.add_argument(

@@ -150,7 +150,7 @@ def test_deploy_to_docker_and_kubernetes_pools_runs_the_image_without_a_host_pat
     from prefect.client.orchestration import get_client
 
     from captionflow.preflight import OptionError
-    from deployments.deploy import MODULE_ENTRYPOINT, deploy
+    from deployments.deploy import deploy
 
     base = RunConfig(output="s3://bucket/out", dataset="s3://bucket/golden")
     for pool_type in ("docker", "kubernetes"):
@@ -166,7 +166,7 @@ def test_deploy_to_docker_and_kubernetes_pools_runs_the_image_without_a_host_pat
             for name in ("golden-nightly", "on-checkpoint"):
                 d = client.read_deployment(ids[name])
                 assert d.job_variables["image"] == "registry.example/captionflow:1.2"
-                assert d.entrypoint == MODULE_ENTRYPOINT and not d.pull_steps and not d.path
+                assert d.entrypoint == "flows.caption_flow.caption_flow" and not d.pull_steps and not d.path
                 assert d.parameters["output"] == "s3://bucket/out"
         if pool_type == "kubernetes":
             pod = wp.base_job_template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]

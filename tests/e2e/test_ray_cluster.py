@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,15 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 pytestmark = pytest.mark.slow
 RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -30,7 +24,7 @@ def two_node_cluster():
     import psutil
 
     temp = tempfile.mkdtemp(prefix="cfray", dir="/tmp")  # short: Ray's socket paths have a length limit
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     common = ["--node-ip-address=127.0.0.1", "--num-cpus=2", "--disable-usage-stats"]
     try:
@@ -43,7 +37,7 @@ def two_node_cluster():
                 f"--temp-dir={temp}",
                 "--include-dashboard=true",
                 "--dashboard-host=127.0.0.1",
-                f"--dashboard-port={_free_port()}",
+                f"--dashboard-port={free_port()}",
                 *common,
             ],
             env=env,

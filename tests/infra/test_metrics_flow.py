@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 from captionflow.builtin.demo_data import DEMO_CAPTIONS, ensure_demo_dataset
 
@@ -23,12 +23,6 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "infra" / "grafana" / "dashboards" / "captionflow.json"
 PROMETHEUS = shutil.which("prometheus")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> dict:
@@ -40,7 +34,7 @@ def _get(url: str) -> dict:
 def prometheus(tmp_path):
     if PROMETHEUS is None:
         pytest.fail("no prometheus binary: `make test` installs Debian's package (make system-deps)")
-    metrics_port, web_port = _free_port(), _free_port()
+    metrics_port, web_port = free_port(), free_port()
     (tmp_path / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s}\n"
         "scrape_configs:\n"
