@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from ports import free_port
 
-from captionflow.builtin.demo_data import DEMO_CAPTIONS, ensure_demo_dataset
+from captionflow.builtin.synthetic import make_images
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,11 +68,10 @@ def test_every_dashboard_panel_has_data_from_a_real_run(prometheus, prefect_api,
     from prefect.settings import PREFECT_API_URL
 
     api, metrics_port = prometheus
-    images = tmp_path / "images"
-    images.mkdir()
-    demo = ensure_demo_dataset()
-    for name in sorted(DEMO_CAPTIONS)[:16]:
-        shutil.copy2(demo / name, images / name)
+    # captioning long enough that every engine counter is scraped several times before the engines stop
+    # (rate() needs two samples): 48 images x 128 tokens gave 7 samples of the token counter, 16 demo images
+    # of up to 32 tokens sometimes one
+    images = make_images(tmp_path / "images", 48, size=(320, 240))
     env = {
         **os.environ,
         "PREFECT_API_URL": PREFECT_API_URL.value(),
@@ -83,7 +82,8 @@ def test_every_dashboard_panel_has_data_from_a_real_run(prometheus, prefect_api,
     start = time.time()
     r = subprocess.run(
         [sys.executable, "-m", "flows.cli", "run", "--device", "cpu", "--dataset", str(images)]
-        + ["--output", str(tmp_path / "out"), "--no-judge", "--metrics-port", str(metrics_port)],
+        + ["--output", str(tmp_path / "out"), "--no-judge", "--metrics-port", str(metrics_port)]
+        + ["--max-tokens", "128", "--ignore-eos"],
         env=env,
         capture_output=True,
         text=True,
