@@ -7,6 +7,7 @@ from typing import Optional
 
 import pyarrow as pa
 
+from captionflow.caption_health import caption_health
 from captionflow.layout import CAPTIONS, SCORES, shard_paths
 from captionflow.metrics import length_stats, reference_metrics
 from captionflow.report import render_report, update_leaderboard
@@ -23,6 +24,7 @@ def evaluate(
     judge: Optional[JudgeResult] = None,
     coco_java: bool = False,
     bootstrap_resamples: int = 1000,
+    prompts: tuple[str, ...] = (),
 ) -> EvalResult:
     """Score the captions of one run; write scores.parquet, metrics.json, report.md; update the leaderboard."""
     t0 = time.perf_counter()
@@ -36,7 +38,7 @@ def evaluate(
     captions = {r["image_id"]: r["caption"] for r in rows}
     stats = length_stats([r["caption"] for r in rows], [r["finish_reason"] for r in rows], inference.failed)
     ref_agg, ref_per = reference_metrics(captions, refs, java=coco_java)
-    metrics = {"stats": stats, "reference": ref_agg}
+    metrics = {"stats": stats, "health": caption_health(rows, prompts), "reference": ref_agg}
     judged: dict[str, dict] = {}
     if judge:
         metrics["judge"] = judge.headline()

@@ -114,6 +114,26 @@ def significance_lines(comp: dict) -> list[str]:
     return lines
 
 
+def _health_lines(health: dict | None) -> list[str]:
+    """Caption health: each fault's count and rate, with examples (captionflow/caption_health.py)."""
+    if not health or not health["n_captions"]:
+        return []
+    lines = [
+        "## Caption health",
+        "",
+        "Cheap heuristics (docs/evaluation.md): counted, never scored.",
+        "",
+        "| fault | captions | rate | examples |",
+        "|---|---|---|---|",
+    ]
+    for fault, count in health["counts"].items():
+        shown = "; ".join(
+            f"`{e['image_id']}`: {e['caption'][:80]!r}".replace("|", "\\|") for e in health["examples"][fault]
+        )
+        lines.append(f"| {fault.replace('_', ' ')} | {count} | {health['rates'][fault]:.1%} | {shown or '-'} |")
+    return [*lines, ""]
+
+
 def render_report(
     model_source: str, manifest: Manifest, inference: InferenceResult, metrics: dict, scores: list[dict]
 ) -> str:
@@ -150,6 +170,7 @@ def render_report(
         f"| failure rate | {s['failure_rate']:.1%} |",
         "",
     ]
+    lines += _health_lines(metrics.get("health"))
     j = metrics.get("judge")
     if j:
         lines += [

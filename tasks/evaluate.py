@@ -46,4 +46,13 @@ def _missing(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, jud
 def evaluate_task(
     cfg: RunConfig, manifest: Manifest, inference: InferenceResult, judge: Optional[JudgeResult]
 ) -> EvalResult:
-    return evaluate(cfg.output, manifest, inference, cfg.model, judge, cfg.coco_java, cfg.bootstrap_resamples)
+    return evaluate(
+        cfg.output,
+        manifest,
+        inference,
+        cfg.model,
+        judge,
+        cfg.coco_java,
+        cfg.bootstrap_resamples,
+        prompts=(cfg.prompt, cfg.system_prompt),
+    )

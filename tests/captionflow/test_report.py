@@ -123,3 +123,18 @@ def test_report_shows_counts_metrics_and_best_and_worst_captions():
     text = render_report("ckpt-9", manifest, inference, alone, [])
     assert "no reference metric: the dataset has no reference captions" in text  # says why, and what to do
     assert "None to compare: no earlier run on this dataset with the same generation settings" in text
+
+
+def test_report_lists_caption_health_with_examples():
+    from captionflow.caption_health import caption_health
+    from captionflow.report import _health_lines
+
+    rows = [
+        {"image_id": "a", "caption": "I'm sorry, I cannot | describe this."},
+        {"image_id": "b", "caption": "A dog on a beach."},
+    ]
+    text = "\n".join(_health_lines(caption_health(rows, ["Describe this image."])))
+    assert "## Caption health" in text
+    assert "| refusal | 1 | 50.0% | `a`: " in text and "cannot \\| describe" in text  # the pipe cannot break the table
+    assert "| prompt echo | 0 | 0.0% | - |" in text
+    assert _health_lines(None) == [] and _health_lines(caption_health([], [])) == []

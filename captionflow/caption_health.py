@@ -1,0 +1,92 @@
+"""Caption health: cheap heuristics for captions that are not captions (docs/evaluation.md).
+
+Each caption is checked for four faults, independently (one caption can have several):
+
+- ``refusal``: the model declines or talks about itself ("I'm sorry", "I cannot", "as an AI", "unable to see");
+- ``reasoning_leak``: chain-of-thought or thinking markup in the answer (``<think>``, "Let me think",
+  "Step 1:", "Okay, so the user");
+- ``prompt_echo``: the caption repeats the instruction (the user prompt or system prompt, whole, or 80% of the
+  prompt's words at the start of the caption);
+- ``non_target_language``: not English: under 80% of the letters are ASCII (another script), or a caption of
+  6+ words without a single common English function word.
+
+They are heuristics: a caption that quotes a sign reading "I'm sorry" is a false positive, a polite refusal in
+other words a false negative. They count and show examples; they change no metric.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from captionflow.metrics import simple_tokenize
+
+CHECKS = ("refusal", "reasoning_leak", "prompt_echo", "non_target_language")
+EXAMPLES = 3  # per fault, in the report
+
+_REFUSAL = re.compile(
+    r"\b(i'?m sorry|i am sorry|i apologi[sz]e|i can(?:'|no)?t|i cannot|i'?m (?:not )?able to|i am unable|"
+    r"i'?m unable|unable to (?:see|view|describe|help|assist|identify)|as an ai|as a language model|"
+    r"i do not have the ability|i don'?t have the ability)\b",
+    re.IGNORECASE,
+)
+_REASONING = re.compile(
+    r"(</?think>|</?reasoning>|<\|begin_of_thought\|>|^\s*(?:let me think|let's think|okay,? so|alright,? so|"
+    r"hmm,?|thinking:|reasoning:)|\bstep \d+\s*:|\bfirst,? i (?:need|will|should)\b|\bthe user (?:wants|asks|is asking)\b)",
+    re.IGNORECASE | re.MULTILINE,
+)
+_ENGLISH_FUNCTION_WORDS = frozenset(
+    "a an the of in on at with and or is are was were be to for by from this that it its there their his her "
+    "two three some one near under over behind next into".split()
+)
+
+
+def _words(text: str) -> list[str]:
+    return simple_tokenize(text).split()
+
+
+def faults(caption: str, prompts: Iterable[str] = ()) -> list[str]:
+    """The faults of one caption (a subset of CHECKS, in that order)."""
+    found = []
+    if _REFUSAL.search(caption):
+        found.append("refusal")
+    if _REASONING.search(caption):
+        found.append("reasoning_leak")
+    cap_words = _words(caption)
+    for prompt in prompts:
+        p_words = _words(prompt)
+        if not p_words or not cap_words:
+            continue
+        joined_cap, joined_prompt = " ".join(cap_words), " ".join(p_words)
+        head = cap_words[: len(p_words)]
+        overlap = sum(1 for a, b in zip(head, p_words) if a == b) / len(p_words)
+        if joined_prompt in joined_cap or overlap >= 0.8:
+            found.append("prompt_echo")
+            break
+    letters = [c for c in caption if c.isalpha()]
+    if letters:
+        ascii_share = sum(1 for c in letters if c.isascii()) / len(letters)
+        latin_but_foreign = len(cap_words) >= 6 and not (set(cap_words) & _ENGLISH_FUNCTION_WORDS)
+        if ascii_share < 0.8 or latin_but_foreign:
+            found.append("non_target_language")
+    return found
+
+
+def caption_health(rows: Iterable[dict], prompts: Iterable[str] = ()) -> dict:
+    """Counts, rates and up to EXAMPLES examples per fault over caption rows (``image_id``, ``caption``)."""
+    prompts = [p for p in prompts if p]
+    counts = dict.fromkeys(CHECKS, 0)
+    examples: dict[str, list[dict]] = {k: [] for k in CHECKS}
+    n = 0
+    for row in rows:
+        n += 1
+        for fault in faults(row["caption"], prompts):
+            counts[fault] += 1
+            if len(examples[fault]) < EXAMPLES:
+                examples[fault].append({"image_id": row["image_id"], "caption": row["caption"][:200]})
+    return {
+        "n_captions": n,
+        "counts": counts,
+        "rates": {k: (v / n if n else 0.0) for k, v in counts.items()},
+        "examples": examples,
+    }
