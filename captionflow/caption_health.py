@@ -32,12 +32,17 @@ _REFUSAL = re.compile(
 )
 _REASONING = re.compile(
     r"(</?think>|</?reasoning>|<\|begin_of_thought\|>|^\s*(?:let me think|let's think|okay,? so|alright,? so|"
-    r"hmm,?|thinking:|reasoning:)|\bstep \d+\s*:|\bfirst,? i (?:need|will|should)\b|\bthe user (?:wants|asks|is asking)\b)",
+    r"hmm,?|thinking:|reasoning:)|\bstep \d+\s*:|\bfirst,? i (?:need|will|should)\b|"
+    r"\bthe user (?:wants|asks|is asking)\b)",
     re.IGNORECASE | re.MULTILINE,
 )
 _ENGLISH_FUNCTION_WORDS = frozenset(
-    "a an the of in on at with and or is are was were be to for by from this that it its there their his her "
-    "two three some one near under over behind next into".split()
+    " ".join(
+        (
+            "a an the of in on at with and or is are was were be to for by from this that it its there their his",
+            "her two three some one near under over behind next into",
+        )
+    ).split()
 )
 
 
