@@ -158,6 +158,14 @@ class RunConfig(BaseModel):
         title="Judge model",
         description="Any VLM checkpoint the model parameter accepts. Default: the model itself.",
     )
+    pairwise_against: Optional[str] = Field(
+        None,
+        title="Pairwise judge against",
+        description="Judge this run's captions against another run's, image by image, in both orders (A / B / "
+        "tie): 'previous' or 'best' (the comparable runs: same dataset, same generation settings), a checkpoint "
+        "evaluated on this dataset (its model source or fingerprint prefix) or a run folder. Gives a win rate "
+        "with its 95% interval. The judge is judge_model (default: the model itself).",
+    )
     coco_java: bool = Field(
         False,
         title="Java COCO metrics",
@@ -190,6 +198,13 @@ class RunConfig(BaseModel):
         description="Each comparison with an earlier checkpoint (the previous and the best comparable run) gets a "
         "paired bootstrap over images with this many resamples (fixed seed): per metric the delta, its 95% interval "
         "and a verdict (better / worse / no detectable difference, Holm-corrected over the metrics); 0: none.",
+    )
+    report_images: int = Field(
+        200,
+        ge=0,
+        title="Images listed in the HTML report",
+        description="report.html shows this many images (the first by image id) with thumbnail, caption, references "
+        "and scores, besides the side-by-side wins and losses against the compared checkpoint.",
     )
     regression_threshold: float = Field(
         0.05,

@@ -28,3 +28,7 @@ class EngineFailed(CaptionflowError, RuntimeError):
     Worth one more try (a node, an accelerator, a port can fail for a while), so not a bad-input error."""
 
     transient = True
+
+
+class BaselineError(CaptionflowError, ValueError):
+    """``pairwise_against`` names nothing this run can be compared with."""

@@ -10,8 +10,10 @@ import pyarrow as pa
 from captionflow.caption_health import caption_health
 from captionflow.layout import CAPTIONS, SCORES, shard_paths
 from captionflow.metrics import length_stats, reference_metrics
-from captionflow.report import render_report, update_leaderboard
-from captionflow.results import EvalResult, InferenceResult, JudgeResult, Manifest
+from captionflow.pairwise_scores import pairwise_per_image
+from captionflow.report import read_leaderboard, render_report, update_leaderboard
+from captionflow.report_html import chart_png, render_html, side_by_side, thumbnails
+from captionflow.results import EvalResult, InferenceResult, JudgeResult, Manifest, PairwiseResult
 from captionflow.significance import PER_IMAGE, paired_bootstrap
 from captionflow.storage import Store
 
@@ -25,8 +27,11 @@ def evaluate(
     coco_java: bool = False,
     bootstrap_resamples: int = 1000,
     prompts: tuple[str, ...] = (),
+    report_images: int = 200,
+    pairwise: Optional[PairwiseResult] = None,
 ) -> EvalResult:
-    """Score the captions of one run; write scores.parquet, metrics.json, report.md; update the leaderboard."""
+    """Score the captions of one run; write scores.parquet, metrics.json, report.md, report.html and
+    chart.png; update the leaderboard."""
     t0 = time.perf_counter()
     store = Store(output)
     run = tuple(inference.run_parts)
@@ -44,6 +49,10 @@ def evaluate(
         metrics["judge"] = judge.headline()
         jt = store.read_unique(store.ls(*judge.judge_parts, SCORES, suffix=".parquet"))
         judged = {r["image_id"]: r for r in jt.to_pylist()} if jt is not None else {}
+    paired: dict[str, float] = {}
+    if pairwise:
+        metrics["pairwise"] = pairwise.headline()
+        paired = pairwise_per_image(pairwise.pairwise_dir) if pairwise.pairwise_dir else {}
     scores = pa.Table.from_pylist(
         [
             {
@@ -56,6 +65,7 @@ def evaluate(
                 **{k: ref_per.get(r["image_id"], {}).get(k) for k in ("bleu_4", "rouge_l", "cider")},
                 "judge_score": judged.get(r["image_id"], {}).get("score"),
                 "judge_reason": judged.get(r["image_id"], {}).get("reason"),
+                "pairwise_score": paired.get(r["image_id"]),
             }
             for r in sorted(rows, key=lambda r: r["image_id"])
         ]
@@ -63,11 +73,59 @@ def evaluate(
     store.write_table(scores, *run, "scores.parquet")
     score_rows = scores.to_pylist()
     metrics["comparison"] = update_leaderboard(store, manifest.dataset_fingerprint, run, model_source, metrics)
+    compared_rows = read_compared(metrics["comparison"])
     if bootstrap_resamples:
-        add_significance(metrics["comparison"], score_rows, bootstrap_resamples)
+        add_significance(metrics["comparison"], score_rows, compared_rows, bootstrap_resamples)
     store.write_json(metrics, *run, "metrics.json")
     store.write_text(render_report(model_source, manifest, inference, metrics, score_rows), *run, "report.md")
-    return EvalResult(metrics=metrics, report=store.url(*run, "report.md"), seconds=round(time.perf_counter() - t0, 2))
+    write_html_report(store, run, manifest, model_source, metrics, score_rows, compared_rows, report_images)
+    return EvalResult(
+        metrics=metrics,
+        report=store.url(*run, "report.md"),
+        seconds=round(time.perf_counter() - t0, 2),
+        report_html=store.url(*run, "report.html"),
+    )
+
+
+def write_html_report(
+    store: Store,
+    run: tuple,
+    manifest: Manifest,
+    model_source: str,
+    metrics: dict,
+    rows: list[dict],
+    compared_rows: dict[str, list[dict]],
+    max_images: int,
+) -> None:
+    """report.html (captionflow/report_html.py) and chart.png under the run folder. The side-by-side view is
+    against the previous comparable run, else the best one."""
+    comp = metrics["comparison"]
+    label = next((k for k in ("previous", "best_so_far") if comp.get(k) and compared_rows.get(k)), None)
+    theirs = compared_rows.get(label, []) if label else []
+    _, pairs = side_by_side(rows, theirs)
+    ids = {r["image_id"] for r in sorted(rows, key=lambda r: r["image_id"])[:max_images]}
+    ids |= {d["mine"]["image_id"] for d in pairs}
+    mine = store.url(*run)
+    history = [
+        r
+        for r in read_leaderboard(store)
+        if r["dataset_fingerprint"] == manifest.dataset_fingerprint and r["generation_fingerprint"] == run[3]
+    ]
+    chart = chart_png(history, mine)
+    if chart:
+        store.write_bytes(chart, *run, "chart.png")
+    page = render_html(
+        model_source,
+        manifest,
+        metrics,
+        rows,
+        thumbnails(store, manifest, ids),
+        chart,
+        comp.get(label) if label else None,
+        theirs,
+        max_images,
+    )
+    store.write_text(page, *run, "report.html")
 
 
 def per_image(rows: list[dict]) -> dict[str, dict]:
@@ -75,18 +133,28 @@ def per_image(rows: list[dict]) -> dict[str, dict]:
     return {r["image_id"]: {m: r.get(col) for m, col in PER_IMAGE.items()} for r in rows}
 
 
-def add_significance(comparison: dict, rows: list[dict], n_resamples: int) -> None:
-    """A paired bootstrap (captionflow/significance.py) against each run the comparison names, from that
-    run's scores.parquet; a run whose scores cannot be read gets the reason instead."""
-    mine = per_image(rows)
+def read_compared(comparison: dict) -> dict[str, list[dict]]:
+    """The scores.parquet rows of each run the comparison names ("previous", "best_so_far"); a run whose scores
+    cannot be read gets the reason as its ``error`` instead."""
+    out: dict[str, list[dict]] = {}
     for label in ("previous", "best_so_far"):
         other = comparison.get(label)
         if not other:
             continue
         try:
             theirs = Store(other["run_dir"])
-            table = theirs.read_table(theirs.path("scores.parquet"))
+            out[label] = theirs.read_table(theirs.path("scores.parquet")).to_pylist()
         except (OSError, ValueError) as e:
-            other["significance"] = {"error": f"cannot read {other['run_dir']}/scores.parquet: {e}"}
-            continue
-        other["significance"] = paired_bootstrap(mine, per_image(table.to_pylist()), n_resamples=n_resamples)
+            other["error"] = f"cannot read {other['run_dir']}/scores.parquet: {e}"
+    return out
+
+
+def add_significance(comparison: dict, rows: list[dict], compared: dict[str, list[dict]], n_resamples: int) -> None:
+    """A paired bootstrap (captionflow/significance.py) against each run the comparison names."""
+    mine = per_image(rows)
+    for label in ("previous", "best_so_far"):
+        other = comparison.get(label)
+        if other and "error" in other:
+            other["significance"] = {"error": other["error"]}
+        elif other:
+            other["significance"] = paired_bootstrap(mine, per_image(compared[label]), n_resamples=n_resamples)

@@ -2,7 +2,8 @@
 
     datasets/<dataset-fp>/                  manifest.json (written last), shards/part-NNNNN.parquet, quarantine.parquet
     runs/<dataset-fp>/<model-fp>/<generation-fp>/
-                                            run.json, captions/, failures/, scores.parquet, metrics.json, report.md
+                                            run.json, captions/, failures/, scores.parquet, metrics.json, report.md,
+                                            report.html, chart.png
                                             judge/<judge-fp>/scores/, judge/<judge-fp>/failures/
     leaderboard.parquet                     one row per (dataset, model, generation)
     .prefect-cache/                         Prefect's persisted stage results (keyed on the fingerprints)

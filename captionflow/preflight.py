@@ -51,7 +51,7 @@ def preflight(cfg: RunConfig) -> PreflightResult:
     check_dataset(cfg.dataset)
     model = resolve_model(cfg.model, dummy_weights=cfg.dummy_weights())
     judge = None
-    if cfg.judge:
+    if cfg.judge or cfg.pairwise_against:
         same = cfg.judge_model in (None, cfg.model)
         judge = model if same else resolve_model(cfg.judge_model, dummy_weights=cfg.dummy_weights())
     if cfg.coco_java and not shutil.which("java"):

@@ -134,6 +134,27 @@ def _health_lines(health: dict | None) -> list[str]:
     return [*lines, ""]
 
 
+def pairwise_lines(p: dict) -> list[str]:
+    """The pairwise judge's verdict (captionflow/pipeline/pairwise.py) as a section."""
+    if not p.get("baseline_model"):
+        return ["## Pairwise judge", "", f"Not judged: {p['note']}.", ""]
+    st = p.get("stats")
+    lines = [
+        f"## Pairwise judge against `{p['baseline_model']}`",
+        "",
+        f"- judge `{p['judge_model']}`; {p['judged']} images judged in both orders (captions swapped), "
+        f"{p['failed']} judgements failed, answers parsed {p['parse_rate']:.0%}",
+        f"- this checkpoint won {p['wins']}, lost {p['losses']}, split or tied {p['ties']}; "
+        f"the two orders agreed on {p['consistency']:.0%} of the images",
+    ]
+    if st:
+        lines.append(
+            f"- **win rate {st['win_rate']:.3f}** (95% interval [{st['ci_low']:.3f}, {st['ci_high']:.3f}], "
+            f"p {st['p_value']:.3f} against 0.5): **{st['verdict']}**"
+        )
+    return [*lines, ""]
+
+
 def render_report(
     model_source: str, manifest: Manifest, inference: InferenceResult, metrics: dict, scores: list[dict]
 ) -> str:
@@ -146,6 +167,7 @@ def render_report(
         f"- dataset: `{manifest.source}` (`{manifest.dataset_fingerprint}`)",
         f"- inputs: {c.listed} listed, {c.accepted} accepted, {c.quarantined} quarantined, {c.duplicates} duplicates",
         f"- captioned: {inference.captioned}, failed: {inference.failed}",
+        "- to look at: `report.html` beside this file (thumbnails, side by side with the compared checkpoint, chart)",
         "",
         "## Headline metrics",
         "",
@@ -182,6 +204,8 @@ def render_report(
             "- distribution: " + ", ".join(f"{k}: {v}" for k, v in j["distribution"].items()),
             "",
         ]
+    if metrics.get("pairwise"):
+        lines += pairwise_lines(metrics["pairwise"])
     comp = metrics.get("comparison") or {}
     if comp:
         lines += ["## Against earlier checkpoints on this dataset", ""]

@@ -128,10 +128,38 @@ class JudgeResult:
 
 
 @dataclass
+class PairwiseResult:
+    """The pairwise judge's verdict of this run's captions against a baseline run's, on the images both have."""
+
+    against: str  # what the run asked for (``pairwise_against``)
+    judge_model: str
+    baseline_model: str  # "" when there was no baseline to compare with (``note`` says why)
+    baseline_run_dir: str
+    pairwise_dir: str
+    judged: int  # images judged in both orders
+    failed: int  # judgements that failed every pass
+    parse_rate: float
+    wins: int  # images whose both judgements went to this run
+    losses: int
+    ties: int  # split or tied
+    consistency: float  # share of images whose two orders agreed (low: the judge follows positions)
+    stats: Optional[dict[str, Any]]  # win rate, interval, p-value, verdict (significance.win_rate)
+    passes: list[PassResult]
+    seconds: float
+    note: str = ""
+
+    def headline(self) -> dict:
+        d = asdict(self)
+        d.pop("passes")
+        return d
+
+
+@dataclass
 class EvalResult:
     metrics: dict[str, Any]
     report: str  # URI of report.md
     seconds: float
+    report_html: str = ""  # URI of report.html
 
 
 @dataclass
@@ -159,6 +187,7 @@ class RunSummary:
     resumed_from: int
     passes: list[dict]
     report: str
+    report_html: str = ""
     reused: int = 0
     engines: str = "per-run"
     model_fingerprint: str = ""
@@ -212,6 +241,7 @@ class RunSummary:
                 for p in inference.passes
             ],
             report=evaluation.report,
+            report_html=evaluation.report_html,
             reused=inference.reused,
             engines=inference.engines,
             model_fingerprint=inference.run_parts[2] if len(inference.run_parts) > 2 else "",

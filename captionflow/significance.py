@@ -17,7 +17,7 @@ unadjusted (1 - alpha) ones.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -87,3 +87,23 @@ def _resampled_means(d: np.ndarray, n_resamples: int, seed: int) -> np.ndarray:
         )
         out.append(d[idx].mean(axis=1))
     return np.concatenate(out)
+
+
+def win_rate(
+    scores: list[float], n_resamples: int = 1000, seed: int = 0, alpha: float = 0.05
+) -> Optional[dict[str, Any]]:
+    """The pairwise judge's verdict: ``scores`` holds one value per image, this run's share of that image's
+    judgements (1 won both orders, 0.5 split or tied, 0 lost both). The win rate is their mean; its interval
+    is a bootstrap over images as above, and the p-value tests a win rate of 0.5 (no preference)."""
+    if not scores:
+        return None
+    d = np.asarray(scores, dtype=np.float64)
+    rate = float(d.mean())
+    means = _resampled_means(d, n_resamples, seed) if n_resamples else np.full(1, rate)
+    lo, hi = (float(x) for x in np.quantile(means, [alpha / 2, 1 - alpha / 2]))
+    below, above = int((means <= 0.5).sum()), int((means >= 0.5).sum())
+    p = min(1.0, 2 * (min(below, above) + 1) / (n_resamples + 1)) if n_resamples else 1.0
+    if (d == 0.5).all():
+        p = 1.0
+    verdict = SAME if p >= alpha else BETTER if rate > 0.5 else WORSE
+    return {"win_rate": rate, "ci_low": lo, "ci_high": hi, "p_value": p, "n_images": len(d), "verdict": verdict}

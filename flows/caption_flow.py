@@ -1,4 +1,4 @@
-"""The captionflow flow: preflight -> ingest -> preprocess -> inference -> [judge] -> evaluate -> publish.
+"""The captionflow flow: preflight -> ingest -> preprocess -> inference -> [judge] -> [pairwise] -> evaluate -> publish.
 
 Each stage is a Prefect task (``tasks/``) with its retries and cache key on its decorator. Stages after
 the listing are cached on content fingerprints (dataset, model, generation settings), never the run
@@ -19,6 +19,7 @@ from tasks.evaluate import evaluate_task
 from tasks.inference import inference_task
 from tasks.ingest import ingest_task
 from tasks.judge import judge_task
+from tasks.pairwise import pairwise_task
 from tasks.preflight import preflight_task
 from tasks.preprocess import preprocess_task
 from tasks.publish import publish_task
@@ -35,8 +36,9 @@ def caption_flow(config: RunConfig) -> dict:
         ing = ingest_task(config)
         manifest = preprocess_task(ing, config)
         captions = inference_task(config, manifest, checked)
-        judged = judge_task(config, manifest, captions, checked) if checked.judge else None
-        scored = evaluate_task(config, manifest, captions, judged)
+        judged = judge_task(config, manifest, captions, checked) if config.judge else None
+        paired = pairwise_task(config, manifest, captions, checked) if config.pairwise_against else None
+        scored = evaluate_task(config, manifest, captions, judged, paired)
     summary = RunSummary.build(ing, manifest, captions, scored, stages.records, stages.elapsed(), runtime.flow_run.id)
     summary.regression = publish_task(config, summary.to_dict())
     return summary.to_dict()

@@ -10,27 +10,37 @@ from captionflow.config import RunConfig
 from captionflow.evaluate import evaluate
 from captionflow.fingerprint import digest
 from captionflow.layout import missing_files
-from captionflow.results import EvalResult, InferenceResult, JudgeResult, Manifest
+from captionflow.results import EvalResult, InferenceResult, JudgeResult, Manifest, PairwiseResult
 from captionflow.storage import Store
 from tasks.results import record_stage, validated
 from tasks.retry import retry_transient
 
 
-def _key(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, judge: Optional[JudgeResult]) -> str:
+def _key(
+    cfg: RunConfig,
+    manifest: Manifest,
+    inference: InferenceResult,
+    judge: Optional[JudgeResult],
+    pairwise: Optional[PairwiseResult] = None,
+) -> str:
     return digest(
         [
             list(inference.run_parts),
             inference.captioned,
             inference.failed,
             judge and judge.judged,
+            pairwise and [pairwise.pairwise_dir, pairwise.judged],
             cfg.coco_java,
             cfg.bootstrap_resamples,
+            cfg.report_images,
         ]
     )
 
 
-def _missing(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, judge: Optional[JudgeResult]):
-    return missing_files(Store(cfg.output), tuple(inference.run_parts), ("scores.parquet", "metrics.json", "report.md"))
+def _missing(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, judge, pairwise=None):
+    return missing_files(
+        Store(cfg.output), tuple(inference.run_parts), ("scores.parquet", "metrics.json", "report.md", "report.html")
+    )
 
 
 @task(
@@ -44,7 +54,11 @@ def _missing(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, jud
     on_failure=[record_stage],
 )
 def evaluate_task(
-    cfg: RunConfig, manifest: Manifest, inference: InferenceResult, judge: Optional[JudgeResult]
+    cfg: RunConfig,
+    manifest: Manifest,
+    inference: InferenceResult,
+    judge: Optional[JudgeResult],
+    pairwise: Optional[PairwiseResult] = None,
 ) -> EvalResult:
     return evaluate(
         cfg.output,
@@ -55,4 +69,6 @@ def evaluate_task(
         cfg.coco_java,
         cfg.bootstrap_resamples,
         prompts=(cfg.prompt, cfg.system_prompt),
+        report_images=cfg.report_images,
+        pairwise=pairwise,
     )

@@ -2,7 +2,8 @@
 
 Never cached, so a rerun whose every other stage was a cache hit publishes its tables, its report and its
 alert too. Table artifacts: ``run-counts``, ``quarantine`` (reasons with examples), ``stage-timings``,
-``inference-passes``; markdown: ``caption-report``. The flow's return value (the summary) is persisted too.
+``inference-passes``; markdown: ``caption-report``; link: ``caption-report-html``. The flow's return value
+(the summary) is persisted too.
 """
 
 from __future__ import annotations
@@ -36,8 +37,15 @@ def quarantine_table(dataset_dir: str, reasons: dict[str, int]) -> list[dict[str
     return [{"reason": k, "count": n, "examples": " | ".join(examples.get(k, []))} for k, n in sorted(reasons.items())]
 
 
+def as_link(uri: str) -> str:
+    """A URL for a link artifact: a local path as file://, any other URI as it is."""
+    from pathlib import Path
+
+    return Path(uri).resolve().as_uri() if "://" not in uri else uri
+
+
 def publish_artifacts(summary: dict[str, Any]) -> None:
-    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+    from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
     c = summary["counts"]
     create_table_artifact(
@@ -71,6 +79,14 @@ def publish_artifacts(summary: dict[str, Any]) -> None:
     create_markdown_artifact(
         markdown=fs.cat_file(path).decode("utf-8"), key="caption-report", description="captionflow evaluation report"
     )
+    if summary.get("report_html"):
+        create_link_artifact(
+            key="caption-report-html",
+            link=as_link(summary["report_html"]),
+            link_text="report.html",
+            description="the report to look at: thumbnails, captions, side by side with the compared checkpoint, "
+            "the chart across checkpoints (one self-contained file)",
+        )
 
 
 def emit_regression(cfg: RunConfig, summary: dict[str, Any], payload: dict[str, Any]) -> None:

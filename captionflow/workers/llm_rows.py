@@ -167,3 +167,115 @@ def judge_fixed_schema(row: dict, *, attempt: int) -> dict:
             "attempt": attempt,
         }
     return {k: row[k] for k in JUDGE_SCHEMA.names}
+
+
+# ---------------------------------------------------------------- pairwise judging
+# Each image is judged twice, the two captions in both orders ("<image_id>#ab": A is this run's caption, B the
+# baseline's; "#ba" the other way round), so that a judge's preference for a position cancels out.
+ORDERS = ("ab", "ba")
+PAIRWISE_REGEX = r'\{"winner": "(A|B|tie)", "reason": "[A-Za-z0-9 ,.;:()-]{0,80}"\}'
+PAIRWISE_MAX_TOKENS = 160  # >= the longest match even at one character per token
+PAIRWISE_SYSTEM = "You are a strict judge of image captions. You compare two captions and answer only in JSON."
+PAIRWISE_SCHEMA = pa.schema(
+    [
+        ("image_id", pa.string()),  # "<image_id>#ab" | "<image_id>#ba"
+        ("winner", pa.string()),  # "A" | "B" | "tie", as the judge saw them
+        ("candidate_score", pa.float64()),  # this run's caption: 1 won, 0.5 tie, 0 lost
+        ("reason", pa.string()),
+        ("raw", pa.string()),
+        ("error", pa.string()),
+        ("attempt", pa.int64()),
+    ]
+)
+
+
+def pair_id(image_id: str, order: str) -> str:
+    return f"{image_id}#{order}"
+
+
+def split_pair_id(pid: str) -> tuple[str, str]:
+    image_id, _, order = pid.rpartition("#")
+    return image_id, order
+
+
+def pairwise_prompt(caption_a: str, caption_b: str, references: list[str]) -> str:
+    refs = "".join(f"\n- {r}" for r in references)
+    return (
+        f"Caption A: {caption_a!r}\nCaption B: {caption_b!r}\n"
+        + (f"Reference captions written by people:{refs}\n" if references else "")
+        + "Which caption describes the image more accurately and completely? Answer A, B or tie, as "
+        '{"winner": "<A|B|tie>", "reason": "<short reason>"}.'
+    )
+
+
+def both_orders(row: dict, *, pending: frozenset) -> list[dict]:
+    """One dataset row as its pending judgements: the row once per order still to judge."""
+    out = []
+    for order in ORDERS:
+        pid = pair_id(row["image_id"], order)
+        if pid in pending:
+            out.append({**row, "image_id": pid})
+    return out
+
+
+def pairwise_request(row: dict, *, candidate: dict, baseline: dict, sampling: dict, grid=None) -> dict:
+    """Preprocess: one pairwise request (the image, both captions in this row's order, the references)."""
+    image_id, order = split_pair_id(row["image_id"])
+    a, b = candidate[image_id], baseline[image_id]
+    if order == "ba":
+        a, b = b, a
+    text = pairwise_prompt(a, b, list(row.get("references") or []))
+    return {
+        "image_id": row["image_id"],
+        "messages": image_messages(PAIRWISE_SYSTEM, row.pop("image"), text, grid),
+        "sampling_params": sampling,
+    }
+
+
+def parse_pairwise(text: str) -> tuple[str, str]:
+    obj = json.loads(text)
+    winner = str(obj["winner"])
+    if winner not in ("A", "B", "tie"):
+        raise ValueError(f"winner {winner!r} is not A, B or tie")
+    return winner, str(obj.get("reason", ""))
+
+
+def candidate_score(winner: str, order: str) -> float:
+    """This run's caption's share of the judgement: it is A in order "ab" and B in order "ba"."""
+    if winner == "tie":
+        return 0.5
+    return 1.0 if (winner == "A") == (order == "ab") else 0.0
+
+
+def pairwise_out(row: dict, *, attempt: int) -> dict:
+    """Postprocess: the judge's answer parsed (or the reason it does not parse)."""
+    raw = row.get("generated_text") or ""
+    try:
+        winner, reason = parse_pairwise(raw)
+        score, err = candidate_score(winner, split_pair_id(row["image_id"])[1]), ""
+    except (ValueError, KeyError, TypeError) as e:
+        winner, reason, score, err = None, "", None, f"unparseable pairwise answer ({e}): {raw[:200]!r}"
+    return {
+        "image_id": row["image_id"],
+        "winner": winner,
+        "candidate_score": score,
+        "reason": reason,
+        "raw": raw,
+        "error": err,
+        "attempt": attempt,
+    }
+
+
+def pairwise_fixed_schema(row: dict, *, attempt: int) -> dict:
+    err = row.get("__inference_error__") or ""
+    if err:
+        return {
+            "image_id": row["image_id"],
+            "winner": None,
+            "candidate_score": None,
+            "reason": "",
+            "raw": "",
+            "error": str(err)[:2000],
+            "attempt": attempt,
+        }
+    return {k: row[k] for k in PAIRWISE_SCHEMA.names}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from captionflow.significance import BETTER, SAME, WORSE, holm, paired_bootstrap
+from captionflow.significance import BETTER, SAME, WORSE, holm, paired_bootstrap, win_rate
 
 
 def _run(n: int, seed: int, shift: float = 0.0, noise: float = 0.0, base=None) -> dict:
@@ -56,3 +56,16 @@ def test_the_same_seed_gives_the_same_answer_and_holm_adjusts_in_order():
     adj = holm({"a": 0.01, "b": 0.04, "c": 0.03})
     assert adj == pytest.approx({"a": 0.03, "c": 0.06, "b": 0.06})  # 3 x 0.01, 2 x 0.03, max(0.06, 1 x 0.04)
     assert holm({"a": 0.6, "b": 0.7}) == {"a": 1.0, "b": 1.0}
+
+
+def test_the_pairwise_win_rate_and_its_interval():
+    rng = np.random.default_rng(3)
+    wins = list(rng.choice([1.0, 0.5, 0.0], size=300, p=[0.6, 0.25, 0.15]))  # better by construction
+    w = win_rate(wins, n_resamples=1000)
+    assert w["verdict"] == BETTER and 0.5 < w["ci_low"] <= w["win_rate"] <= w["ci_high"]
+    assert w["win_rate"] == pytest.approx(float(np.mean(wins))) and w["n_images"] == 300
+    assert win_rate([1.0 - x for x in wins])["verdict"] == WORSE
+    assert win_rate([0.5] * 50)["verdict"] == SAME  # every image split or tied
+    coin = list(rng.choice([1.0, 0.0], size=300))
+    assert win_rate(coin)["verdict"] == SAME and win_rate(coin)["ci_low"] < 0.5 < win_rate(coin)["ci_high"]
+    assert win_rate([]) is None

@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from captionflow.builtin.demo_data import DEMO_CAPTIONS, FAULTY_FILES, HIDDEN_FILES
+from tests.support.browser import DomCounts, rendered_dom
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +85,16 @@ def test_a_cached_rerun_publishes_its_artifacts_too(demo_run):
                 artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run["flow_run_id"]]))
             )
             keys = {a.key for a in arts}
-            assert {"run-counts", "quarantine", "stage-timings", "inference-passes", "caption-report"} <= keys, keys
+            assert {
+                "run-counts",
+                "quarantine",
+                "stage-timings",
+                "inference-passes",
+                "caption-report",
+                "caption-report-html",
+            } <= keys, keys
+            link = next(a for a in arts if a.key == "caption-report-html")
+            assert Path(run["report_html"]).resolve().as_uri() in link.data
             flow_run = client.read_flow_run(run["flow_run_id"])
             assert flow_run.state.is_completed()
             assert flow_run.state.result()["run_dir"] == run["run_dir"]  # the summary, persisted
@@ -118,7 +128,19 @@ def test_second_checkpoint_compared_on_leaderboard(demo_run, tmp_path_factory):
     summary = out / "compare.json"
     assert (
         main(
-            ["compare", "builtin", str(ckpt2), "--output", str(out), "--device", "cpu", "--summary-json", str(summary)]
+            [
+                "compare",
+                "builtin",
+                str(ckpt2),
+                "--output",
+                str(out),
+                "--device",
+                "cpu",
+                "--pairwise-against",
+                "previous",
+                "--summary-json",
+                str(summary),
+            ]
         )
         == 0
     )
@@ -143,6 +165,44 @@ def test_second_checkpoint_compared_on_leaderboard(demo_run, tmp_path_factory):
         assert v["verdict"] in ("better", "worse", "no detectable difference")
     assert sig["cider"]["delta"] == pytest.approx(comp["previous"]["cider"])  # every image paired: the same delta
     assert "Is the difference real? Against the previous run" in report
+    assert first["metrics"]["pairwise"]["baseline_model"] == ""  # nothing earlier to judge against: said so
+    assert "Not judged: no earlier run" in Path(first["report"]).read_text(encoding="utf-8")
+    p = second["metrics"]["pairwise"]
+    n = s["counts"]["captioned"]
+    assert p["baseline_run_dir"] == s["run_dir"] and p["judged"] == n and p["failed"] == 0
+    assert p["parse_rate"] == 1.0  # structured output: the random model's answers parse too
+    assert p["wins"] + p["losses"] + p["ties"] == n and 0.0 <= p["consistency"] <= 1.0
+    st = p["stats"]
+    assert st["ci_low"] <= st["win_rate"] <= st["ci_high"] and st["n_images"] == n
+    assert st["verdict"] in ("better", "worse", "no detectable difference")
+    per_image = [r["pairwise_score"] for r in pq.read_table(f"{second['run_dir']}/scores.parquet").to_pylist()]
+    assert set(per_image) <= {0.0, 0.5, 1.0} and sum(per_image) / n == pytest.approx(st["win_rate"])
+    assert "Pairwise judge against" in report
+    page = Path(second["report_html"])
+    assert page.parent == Path(second["run_dir"]) and (page.parent / "chart.png").exists()
+    dom = DomCounts(rendered_dom(page, tmp_path_factory.mktemp("browser")))
+    assert dom.rows["images"] == n and len(dom.rows) == 2  # every demo image, and the side-by-side view
+    assert 0 < dom.rows["side-by-side"] <= n
+    assert len(dom.images) == n + dom.rows["side-by-side"] + 1  # a thumbnail per row, the chart
+    assert dom.body["data-images-loaded"] == str(len(dom.images))  # all decoded by the browser
+
+
+def test_a_pairwise_rerun_judges_no_pair_again(demo_run, tmp_path_factory):
+    from flows.cli import main
+
+    out, s, _ = demo_run
+    ckpt2 = next(iter(tmp_path_factory.getbasetemp().glob("ckpt*/step-2000")))
+    compared = [r for r in pq.read_table(out / "leaderboard.parquet").to_pylist() if r["model"] == str(ckpt2)]
+    assert compared, "runs after test_second_checkpoint_compared_on_leaderboard"
+    folder = Path(compared[0]["run_dir"]) / "pairwise"
+    before = sorted(p.name for p in folder.rglob("*.parquet"))
+    assert before
+    rerun = out / "pairwise-rerun.json"
+    args = ["run", "--model", str(ckpt2), "--output", str(out), "--device", "cpu", "--pairwise-against", "previous"]
+    assert main([*args, "--summary-json", str(rerun)]) == 0
+    p = json.loads(rerun.read_text())["metrics"]["pairwise"]
+    assert p["baseline_run_dir"] == s["run_dir"] and p["judged"] == s["counts"]["captioned"]
+    assert sorted(p.name for p in folder.rglob("*.parquet")) == before  # every judgement was already committed
 
 
 def test_flow_runs_recorded_by_prefect_api(demo_run):

@@ -10,11 +10,18 @@ from PIL import Image
 from captionflow.workers.llm_rows import (
     CAPTION_SCHEMA,
     JUDGE_SCHEMA,
+    PAIRWISE_REGEX,
+    PAIRWISE_SCHEMA,
+    both_orders,
+    candidate_score,
     caption_fixed_schema,
     caption_request,
     judge_fixed_schema,
     judge_out,
     judge_request,
+    pairwise_fixed_schema,
+    pairwise_out,
+    pairwise_request,
     to_caption,
 )
 
@@ -90,3 +97,42 @@ def test_output_rows_have_the_fixed_schemas():
     bad = judge_out({"image_id": "a", "generated_text": "nope"}, attempt=0)
     assert bad["score"] is None and bad["error"].startswith("unparseable")
     assert set(judge_fixed_schema({"image_id": "a", "__inference_error__": "x"}, attempt=0)) == set(JUDGE_SCHEMA.names)
+
+
+def test_pairwise_sends_each_pending_order_with_the_captions_swapped():
+    row = {"image_id": "x", "image": _jpeg(), "references": ["a red square"]}
+    rows = both_orders(row, pending=frozenset({"x#ab", "x#ba", "y#ab"}))
+    assert [r["image_id"] for r in rows] == ["x#ab", "x#ba"]
+    assert both_orders(row, pending=frozenset({"x#ba"}))[0]["image_id"] == "x#ba"  # only what is missing
+    texts = []
+    for r in rows:
+        req = pairwise_request(r, candidate={"x": "mine"}, baseline={"x": "theirs"}, sampling={"max_tokens": 9})
+        assert "image" not in r
+        texts.append(req["messages"][1]["content"][1]["text"])
+    assert texts[0].startswith("Caption A: 'mine'\nCaption B: 'theirs'") and "- a red square" in texts[0]
+    assert texts[1].startswith("Caption A: 'theirs'\nCaption B: 'mine'")
+
+
+def test_a_pairwise_answer_counts_for_the_caption_in_the_position_named():
+    assert candidate_score("A", "ab") == 1.0 and candidate_score("B", "ab") == 0.0
+    assert candidate_score("A", "ba") == 0.0 and candidate_score("B", "ba") == 1.0  # the captions were swapped
+    assert candidate_score("tie", "ba") == 0.5
+    out = pairwise_out({"image_id": "x#ba", "generated_text": '{"winner": "B", "reason": "more precise"}'}, attempt=0)
+    assert (out["winner"], out["candidate_score"], out["error"]) == ("B", 1.0, "")
+    bad = pairwise_out({"image_id": "x#ab", "generated_text": '{"winner": "C", "reason": ""}'}, attempt=0)
+    assert bad["candidate_score"] is None and bad["error"].startswith("unparseable")
+    failed = pairwise_fixed_schema({"image_id": "x#ab", "__inference_error__": "boom"}, attempt=1)
+    assert set(failed) == set(PAIRWISE_SCHEMA.names) and failed["error"] == "boom"
+
+
+def test_every_answer_the_pairwise_regex_allows_is_json_that_parses():
+    import re
+
+    from captionflow.workers.llm_rows import parse_pairwise
+
+    for winner in ("A", "B", "tie"):
+        for reason in ("", "x" * 80, "a, b. c; d: (e) - f"):
+            text = f'{{"winner": "{winner}", "reason": "{reason}"}}'
+            assert re.fullmatch(PAIRWISE_REGEX, text)
+            assert parse_pairwise(text) == (winner, reason)
+    assert not re.fullmatch(PAIRWISE_REGEX, '{"winner": "A", "reason": "a \\"quote\\""}')

@@ -1,0 +1,180 @@
+"""The pairwise judge: a VLM sees an image, its references and two captions - this run's and a baseline
+run's - and answers which is better, in both orders, through structured output (A / B / tie and a short reason).
+
+The baseline (``pairwise_against``) is ``previous`` or ``best`` (the comparable runs of the leaderboard: same
+dataset, same generation settings), a checkpoint (its model source or fingerprint prefix, on this dataset with
+these generation settings) or a run folder on this dataset. Judgements are committed like captions
+(``runs/.../pairwise/<fp>/scores``, keyed ``<image_id>#ab`` / ``#ba``) under a fingerprint of the judge, its
+settings, the prompt and the baseline run folder: a caption in a run folder never changes once committed, so
+(image, both captions, judge, prompt) is covered, and a rerun or a resumed run judges only what is missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Optional
+
+from captionflow.config import RunConfig
+from captionflow.errors import BaselineError
+from captionflow.fingerprint import digest
+from captionflow.layout import CAPTIONS, FAILURES, SCORES, shard_paths
+from captionflow.lease import Lease
+from captionflow.model_source import ResolvedModel
+from captionflow.pairwise_scores import per_image_scores
+from captionflow.pipeline.engine import EngineSettings
+from captionflow.pipeline.ledger import Ledger, run_passes
+from captionflow.pipeline.processor import build_vlm_processor, map_task_kwargs, read_pending
+from captionflow.pipeline.session import ray_session
+from captionflow.pipeline.staging import staged
+from captionflow.report import read_leaderboard
+from captionflow.results import InferenceResult, Manifest, PairwiseResult
+from captionflow.significance import win_rate
+from captionflow.storage import Store
+from captionflow.workers.llm_rows import (
+    ORDERS,
+    PAIRWISE_MAX_TOKENS,
+    PAIRWISE_REGEX,
+    PAIRWISE_SCHEMA,
+    PAIRWISE_SYSTEM,
+    both_orders,
+    pair_id,
+    pairwise_fixed_schema,
+    pairwise_out,
+    pairwise_prompt,
+    pairwise_request,
+    split_pair_id,
+)
+
+LATEST, BEST = "previous", "best"
+
+
+def resolve_baseline(store: Store, run: tuple[str, ...], against: str) -> Optional[dict]:
+    """The leaderboard row (or a row-like dict for a run folder) of the baseline run; None for ``previous`` or
+    ``best`` when no comparable run exists yet. Raises BaselineError for a baseline that cannot be found."""
+    ds_fp, model_fp, gen_fp = run[1], run[2], run[3]
+    board = [
+        r for r in read_leaderboard(store) if r["dataset_fingerprint"] == ds_fp and r["model_fingerprint"] != model_fp
+    ]
+    same = [r for r in board if r["generation_fingerprint"] == gen_fp]
+    if against == LATEST:
+        return max(same, key=lambda r: r["evaluated_at"], default=None)
+    if against == BEST:
+        return max((r for r in same if r.get("cider") is not None), key=lambda r: r["cider"], default=None) or max(
+            (r for r in same if r.get("judge_mean") is not None), key=lambda r: r["judge_mean"], default=None
+        )
+    named = [r for r in same if against in (r["model"], r["run_dir"]) or r["model_fingerprint"].startswith(against)]
+    if named:
+        return max(named, key=lambda r: r["evaluated_at"])
+    folder = Store(against)
+    if folder.exists(CAPTIONS):
+        if f"/runs/{ds_fp}/" not in "/" + folder.url().strip("/") + "/":
+            raise BaselineError(f"pairwise_against: {against} is a run on another dataset (this one is {ds_fp})")
+        return {"model": against, "run_dir": folder.url(), "model_fingerprint": folder.url().rstrip("/").split("/")[-2]}
+    known = ", ".join(sorted({r["model"] for r in same})) or "none"
+    raise BaselineError(
+        f"pairwise_against: {against!r} is neither 'previous', 'best', a checkpoint evaluated on this dataset with "
+        f"these generation settings (known: {known}) nor a run folder with captions/"
+    )
+
+
+def pairwise_run_parts(
+    run: tuple[str, ...], judge: ResolvedModel, engine: EngineSettings, baseline_run_dir: str
+) -> tuple[str, ...]:
+    fp = digest(
+        {
+            "model": judge.fingerprint,
+            "engine": engine.output_params(),
+            "regex": PAIRWISE_REGEX,
+            "system": PAIRWISE_SYSTEM,
+            "prompt": pairwise_prompt("{a}", "{b}", ["{reference}"]),
+            "baseline": baseline_run_dir.rstrip("/"),
+        }
+    )
+    return (*run, "pairwise", fp)
+
+
+def _captions(store: Store, parts: tuple[str, ...] = ()) -> dict[str, str]:
+    t = store.read_unique(store.ls(*parts, CAPTIONS, suffix=".parquet"), columns=["image_id", "caption"])
+    return dict(zip(t["image_id"].to_pylist(), t["caption"].to_pylist())) if t is not None else {}
+
+
+def run_pairwise(
+    cfg: RunConfig, manifest: Manifest, inference: InferenceResult, judge: ResolvedModel, engine: EngineSettings
+) -> PairwiseResult:
+    t0 = time.perf_counter()
+    store = Store(cfg.output)
+    run = tuple(inference.run_parts)
+    base = resolve_baseline(store, run, cfg.pairwise_against)
+    if base is None:
+        return PairwiseResult(
+            cfg.pairwise_against, judge.source, "", "", "", 0, 0, 0.0, 0, 0, 0, 0.0, None, [], 0.0,
+            note=f"no earlier run on this dataset with these generation settings to take as {cfg.pairwise_against!r}",
+        )  # fmt: skip
+    candidate, baseline = _captions(store, run), _captions(Store(base["run_dir"]))
+    todo = {pair_id(i, o) for i in set(candidate) & set(baseline) for o in ORDERS}
+    parts = pairwise_run_parts(run, judge, engine, base["run_dir"])
+    passes = []
+    what = f"the pairwise judge folder {store.url(*parts)}"
+    with Lease(store, "/".join(parts), what=what, wait_s=cfg.lease_wait_s) as lease:
+        ledger = Ledger(
+            store, parts, SCORES, PAIRWISE_SCHEMA, cfg.commit_rows, lease=lease,
+            stall_timeout_s=cfg.stall_timeout_s, what="pairwise judge",
+        )  # fmt: skip
+        done = ledger.committed()
+        if todo - done:
+            passes = _passes(cfg, manifest, judge, engine, store, ledger, todo, done, candidate, baseline)
+    t = store.read_unique(store.ls(*parts, SCORES, suffix=".parquet"))
+    rows = [r for r in (t.to_pylist() if t is not None else []) if r["image_id"] in todo]
+    failures = store.read_tables(store.ls(*parts, FAILURES, suffix=".parquet"))
+    n_unparsed = sum(1 for r in failures.to_pylist() if r["error"].startswith("unparseable")) if failures else 0
+    per_image = per_image_scores(rows)
+    both = {i: s for i, s in per_image.items() if len(s) == len(ORDERS)}
+    shares = [sum(s.values()) / len(ORDERS) for s in both.values()]
+    return PairwiseResult(
+        against=cfg.pairwise_against,
+        judge_model=judge.source,
+        baseline_model=base["model"],
+        baseline_run_dir=base["run_dir"],
+        pairwise_dir=store.url(*parts),
+        judged=len(both),
+        failed=len(todo) - len(rows),
+        parse_rate=len(rows) / (len(rows) + n_unparsed) if rows or n_unparsed else 0.0,
+        wins=sum(1 for x in shares if x == 1.0),
+        losses=sum(1 for x in shares if x == 0.0),
+        ties=sum(1 for x in shares if 0.0 < x < 1.0),
+        consistency=sum(1 for s in both.values() if s["ab"] == s["ba"]) / len(both) if both else 0.0,
+        stats=win_rate(shares, n_resamples=cfg.bootstrap_resamples or 1000, seed=cfg.seed),
+        passes=passes,
+        seconds=round(time.perf_counter() - t0, 2),
+    )
+
+
+def _passes(cfg, manifest, judge, engine, store, ledger, todo, done, candidate, baseline):
+    local = ray_session(cfg).started_here
+    shards = shard_paths(store, manifest)
+    sampling = {
+        "max_tokens": PAIRWISE_MAX_TOKENS,
+        "temperature": 0.0,
+        "seed": cfg.seed,
+        "structured_outputs": {"regex": PAIRWISE_REGEX},
+    }
+
+    def rows_for(attempt: int, pending: list[str], judge_path: str):
+        processor = build_vlm_processor(
+            engine,
+            judge_path,
+            preprocess=functools.partial(
+                pairwise_request, candidate=candidate, baseline=baseline, sampling=sampling, grid=engine.image_grid
+            ),
+            postprocess=functools.partial(pairwise_out, attempt=attempt),
+        )
+        images = sorted({split_pair_id(p)[0] for p in pending})
+        ds = read_pending(store.fs, shards, ["image_id", "image", "references"], images, engine)
+        ds = ds.flat_map(functools.partial(both_orders, pending=frozenset(pending)), **map_task_kwargs(engine.preset))
+        return processor(ds).map(
+            functools.partial(pairwise_fixed_schema, attempt=attempt), **map_task_kwargs(engine.preset)
+        )
+
+    with staged(judge.path, engine.compile_dir, local=local) as path:
+        return run_passes(ledger, todo, done, cfg.row_retries, functools.partial(rows_for, judge_path=path))
