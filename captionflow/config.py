@@ -82,6 +82,12 @@ class RunConfig(BaseModel):
         title="Parquet reference-caption column",
         description="Default: the first of captions, caption, text, sentences, references (if any).",
     )
+    slice_column: Optional[str] = Field(
+        None,
+        title="Parquet slice column",
+        description="A column whose value names each row's slice (e.g. a source or a category): the report gives "
+        "the metrics per slice with counts. A folder of images is sliced by its sub-folders without this.",
+    )
     max_pixels: Optional[int] = Field(
         None,
         title="Max pixels seen by the model",

@@ -15,6 +15,7 @@ from captionflow.report import read_leaderboard, render_report, update_leaderboa
 from captionflow.report_html import chart_png, render_html, side_by_side, thumbnails
 from captionflow.results import EvalResult, InferenceResult, JudgeResult, Manifest, PairwiseResult
 from captionflow.significance import PER_IMAGE, paired_bootstrap
+from captionflow.slices import slice_metrics, slices_of
 from captionflow.storage import Store
 
 
@@ -35,9 +36,13 @@ def evaluate(
     t0 = time.perf_counter()
     store = Store(output)
     run = tuple(inference.run_parts)
-    data = store.read_tables(shard_paths(store, manifest), columns=["image_id", "source", "references"])
-    refs = dict(zip(data["image_id"].to_pylist(), data["references"].to_pylist())) if data else {}
-    sources = dict(zip(data["image_id"].to_pylist(), data["source"].to_pylist())) if data else {}
+    sliced = bool(manifest.params.get("slice_column"))
+    columns = ["image_id", "source", "references", *(["slice"] if sliced else [])]
+    data = store.read_tables(shard_paths(store, manifest), columns=columns)
+    ids = data["image_id"].to_pylist() if data else []
+    refs = dict(zip(ids, data["references"].to_pylist())) if data else {}
+    sources = dict(zip(ids, data["source"].to_pylist())) if data else {}
+    slices = slices_of(manifest.kind, sources, dict(zip(ids, data["slice"].to_pylist())) if sliced and data else None)
     caps_t = store.read_unique(store.ls(*run, CAPTIONS, suffix=".parquet"))
     rows = caps_t.to_pylist() if caps_t is not None else []
     captions = {r["image_id"]: r["caption"] for r in rows}
@@ -58,6 +63,7 @@ def evaluate(
             {
                 "image_id": r["image_id"],
                 "source": sources.get(r["image_id"], ""),
+                "slice": slices.get(r["image_id"]),
                 "caption": r["caption"],
                 "references": refs.get(r["image_id"], []),
                 "finish_reason": r["finish_reason"],
@@ -72,6 +78,9 @@ def evaluate(
     )
     store.write_table(scores, *run, "scores.parquet")
     score_rows = scores.to_pylist()
+    by_slice = slice_metrics(score_rows, slices)
+    if by_slice:
+        metrics["slices"] = by_slice
     metrics["comparison"] = update_leaderboard(store, manifest.dataset_fingerprint, run, model_source, metrics)
     compared_rows = read_compared(metrics["comparison"])
     if bootstrap_resamples:

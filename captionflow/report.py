@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import time
+from datetime import UTC, datetime
 
 import pyarrow as pa
 
@@ -40,7 +40,7 @@ def update_leaderboard(store: Store, ds_fp: str, run: tuple, model_source: str, 
         "generation_fingerprint": run[3],
         "model": model_source,
         "run_dir": store.url(*run),
-        "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "evaluated_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),  # orders runs within a second
         "n_captions": metrics["stats"]["n_captions"],
         "failure_rate": metrics["stats"]["failure_rate"],
         **{k: metrics["reference"].get(k) for k in ("bleu_4", "rouge_l", "cider", "meteor")},
@@ -134,6 +134,21 @@ def _health_lines(health: dict | None) -> list[str]:
     return [*lines, ""]
 
 
+def slice_lines(slices: list[dict]) -> list[str]:
+    """Metrics per slice (captionflow/slices.py) as a table."""
+    cols = [k for k in slices[0] if k not in ("slice", "n")]
+    lines = [
+        "## Per slice",
+        "",
+        "| slice | images | " + " | ".join(cols) + " |",
+        "|---|---|" + "---|" * len(cols),
+    ]
+    for r in slices:
+        cells = " | ".join("-" if r[k] is None else f"{r[k]:.4f}" for k in cols)
+        lines.append(f"| {r['slice']} | {r['n']} | {cells} |")
+    return [*lines, ""]
+
+
 def pairwise_lines(p: dict) -> list[str]:
     """The pairwise judge's verdict (captionflow/pipeline/pairwise.py) as a section."""
     if not p.get("baseline_model"):
@@ -204,6 +219,8 @@ def render_report(
             "- distribution: " + ", ".join(f"{k}: {v}" for k, v in j["distribution"].items()),
             "",
         ]
+    if metrics.get("slices"):
+        lines += slice_lines(metrics["slices"])
     if metrics.get("pairwise"):
         lines += pairwise_lines(metrics["pairwise"])
     comp = metrics.get("comparison") or {}

@@ -165,6 +165,18 @@ def render_html(
         f"<tr><td>truncated at max_tokens</td>{_num(s['truncated_rate'], '{:.1%}')}</tr>",
         f"<tr><td>failure rate</td>{_num(s['failure_rate'], '{:.1%}')}</tr></table>",
     ]
+    if metrics.get("slices"):
+        cols = [k for k in metrics["slices"][0] if k not in ("slice", "n")]
+        out.append(
+            "<h2>Per slice</h2><table id='slices'><tr><th>slice</th><th>images</th>"
+            + "".join(f"<th>{_e(k)}</th>" for k in cols)
+            + "</tr>"
+        )
+        for r in metrics["slices"]:
+            out.append(
+                f"<tr><td>{_e(r['slice'])}</td>{_num(r['n'])}" + "".join(_num(r[k], "{:.4f}") for k in cols) + "</tr>"
+            )
+        out.append("</table>")
     p = metrics.get("pairwise")
     if p and p.get("stats"):
         st = p["stats"]

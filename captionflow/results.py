@@ -42,6 +42,7 @@ class IngestResult:
     already_preprocessed: bool
     hidden_skipped: int = 0  # hidden entries (".name"; a local hidden folder counts once) not taken as inputs
     hidden_examples: list[str] = field(default_factory=list)  # the first few of them
+    slice_column: Optional[str] = None  # a Parquet column carried into the shards as each row's slice
 
     def to_dict(self) -> dict:
         return asdict(self)

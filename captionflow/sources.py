@@ -76,6 +76,7 @@ class Listing:
     references: dict[str, list[str]] = field(default_factory=dict)
     image_column: str | None = None
     caption_column: str | None = None
+    slice_column: str | None = None
     hidden: list[str] = field(default_factory=list)  # skipped entries whose name starts with "."
     root: str = ""  # the folder the dataset is: path rows may only name files under it
 
@@ -173,7 +174,9 @@ def _walk_folder(fs, uri: str, root: str, local: bool) -> tuple[list[dict], dict
     return files, refs, hidden
 
 
-def list_source(uri: str, image_column: str | None = None, caption_column: str | None = None) -> Listing:
+def list_source(
+    uri: str, image_column: str | None = None, caption_column: str | None = None, slice_column: str | None = None
+) -> Listing:
     """List a folder of images or Parquet files (local or fsspec URI)."""
     try:
         fs, root = open_fs(uri)
@@ -198,18 +201,23 @@ def list_source(uri: str, image_column: str | None = None, caption_column: str |
             raise DatasetError(f"dataset {uri!r} contains no files")
         plain = [f for f in files if not f["problem"]]
         if not plain or not all(f["name"].endswith(".parquet") for f in plain):
+            if slice_column:
+                raise DatasetError(
+                    f"dataset {uri!r} is a folder of images: slice_column names a Parquet column (the slices of "
+                    "a folder of images are its sub-folders, without a parameter)"
+                )
             return Listing(source=source, kind="images", files=files, references=refs, hidden=hidden, root=source)
         for f in files:  # a Parquet dataset with a part that cannot be read is not taken half
             if f["problem"]:
                 raise DatasetError(f"dataset {uri!r}: {f['name']}: {f['problem']}")
-    listing = _parquet_listing(fs, source, files, image_column, caption_column)
+    listing = _parquet_listing(fs, source, files, image_column, caption_column, slice_column)
     listing.hidden = hidden
     listing.root = folder
     return listing
 
 
 def _parquet_listing(
-    fs, source: str, files: list[dict], image_column: str | None, caption_column: str | None
+    fs, source: str, files: list[dict], image_column: str | None, caption_column: str | None, slice_column: str | None
 ) -> Listing:
     import pyarrow.parquet as pq
 
@@ -265,7 +273,11 @@ def _parquet_listing(
             raise DatasetError(f"{where}: no caption column {cap!r} (has {schema.names})")
         if cap and not _caption_type(t := schema.field(cap).type):
             raise DatasetError(f"{where}: caption column {cap!r} is {t}; expected a string or a list of strings")
-    return Listing(source=source, kind="parquet", files=files, image_column=img, caption_column=cap)
+        if slice_column and slice_column not in schema.names:
+            raise DatasetError(f"{where}: no slice column {slice_column!r} (has {schema.names})")
+    return Listing(
+        source=source, kind="parquet", files=files, image_column=img, caption_column=cap, slice_column=slice_column
+    )
 
 
 def _text_type(t) -> bool:
@@ -298,7 +310,7 @@ def _caption_type(t) -> bool:
 
 def ingest(cfg: RunConfig) -> IngestResult:
     """List the dataset and decide whether its preprocessed form already exists."""
-    listing = list_source(resolve_dataset(cfg.dataset), cfg.image_column, cfg.caption_column)
+    listing = list_source(resolve_dataset(cfg.dataset), cfg.image_column, cfg.caption_column, cfg.slice_column)
     params = {
         "max_image_side": cfg.max_image_side,
         "shard_rows": cfg.shard_rows,
@@ -308,6 +320,7 @@ def ingest(cfg: RunConfig) -> IngestResult:
         "schema_version": SCHEMA_VERSION,
         "image_column": listing.image_column,
         "caption_column": listing.caption_column,
+        **({"slice_column": listing.slice_column} if listing.slice_column else {}),  # absent: fingerprints as before
     }
     # where the data is (its URI) and what is there: names, sizes, mtimes, ETags (content hashes on S3);
     # two folders with the same file names, sizes and times are two datasets
@@ -342,6 +355,7 @@ def ingest(cfg: RunConfig) -> IngestResult:
         references=listing.references,
         image_column=listing.image_column,
         caption_column=listing.caption_column,
+        slice_column=listing.slice_column,
         preprocess_params=params,
         already_preprocessed=manifest_ok,
         hidden_skipped=len(listing.hidden),

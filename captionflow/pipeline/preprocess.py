@@ -49,6 +49,7 @@ SHARD_SCHEMA = pa.schema(
             "orig_width",
             "orig_height",
             "references",
+            "slice",
         )
     ]
 )
@@ -328,6 +329,7 @@ def _build(ing: IngestResult, cfg: RunConfig, store: Store, base: tuple[str, ...
         "image_column": ing.image_column,
         "caption_column": ing.caption_column,
         "references": ing.references,
+        "slice_column": ing.slice_column,
         "max_side": params["max_image_side"],
         "max_pixels": params["max_input_pixels"],
         "max_bytes": params["max_input_mb"] * 2**20,

@@ -28,6 +28,7 @@ RESULT_SCHEMA = pa.schema(
         ("orig_width", pa.int32()),
         ("orig_height", pa.int32()),
         ("references", pa.list_(pa.string())),
+        ("slice", pa.string()),  # the slice_column's value of a Parquet row (None: no slice column)
         ("reason", pa.string()),
         ("detail", pa.string()),
         ("size_bytes", pa.int64()),
@@ -48,6 +49,7 @@ def _row(source: str, refs: list[str], reason: str, detail: str, size: int) -> d
         "orig_width": 0,
         "orig_height": 0,
         "references": refs,
+        "slice": None,
         "reason": reason,
         "detail": detail[:300],
         "size_bytes": size,
@@ -119,6 +121,7 @@ def process_item(
     image_column: str | None,
     caption_column: str | None,
     references: dict,
+    slice_column: str | None = None,
     max_side: int,
     max_pixels: int,
     max_bytes: int,
@@ -138,16 +141,15 @@ def process_item(
         except Exception as e:  # OSError, or what a storage client lets through (botocore's own errors)
             return [_row(item["name"], refs, "unreadable", f"{type(e).__name__}: {e}", item["size"])]
         return [_result(item["name"], data, refs, max_side, max_pixels, max_bytes)]
-    cols = [image_column] + ([caption_column] if caption_column else [])
     out: list[dict] = []
     try:
         with fs.open(path, "rb") as fh:
-            for i, img, cap in _rows_of(fh, item["row_group"], cols):
-                out.append(
-                    _parquet_row(
-                        item, i, img, cap, fs, path, max_side, max_pixels, max_bytes, root, allow_external_paths
-                    )
+            for i, img, cap, sl in _rows_of(fh, item["row_group"], image_column, caption_column, slice_column):
+                row = _parquet_row(
+                    item, i, img, cap, fs, path, max_side, max_pixels, max_bytes, root, allow_external_paths
                 )
+                row["slice"] = None if sl is None else str(sl)
+                out.append(row)
     except Exception as e:  # corrupt pages under an intact footer, a file changed or gone since the listing
         if out:  # rows already done stay done; the rest of the row group is what could not be read
             done = len(out)
@@ -191,19 +193,20 @@ def _parquet_row(
 ROWS_AT_ONCE = 32  # rows of a row group decoded from Parquet at a time
 
 
-def _rows_of(fh, row_group: int, cols: list[str]):
-    """(row in the row group, image, caption) a few rows at a time, read through a 1 MiB buffer: a worker holds
-    a part of the row group, not the whole column chunk decoded at once (a 137 MB row group read whole peaked
-    at 4.4x its size, read like this at 2.4x)."""
+def _rows_of(fh, row_group: int, image_column: str, caption_column: str | None, slice_column: str | None):
+    """(row in the row group, image, caption, slice) a few rows at a time, read through a 1 MiB buffer: a worker
+    holds a part of the row group, not the whole column chunk decoded at once (a 137 MB row group read whole
+    peaked at 4.4x its size, read like this at 2.4x)."""
     import pyarrow.parquet as pq
 
+    wanted = [image_column, caption_column, slice_column]
+    cols = list(dict.fromkeys(c for c in wanted if c))
     pf = pq.ParquetFile(fh, pre_buffer=False, buffer_size=2**20)
     i = 0
     for batch in pf.iter_batches(batch_size=ROWS_AT_ONCE, row_groups=[row_group], columns=cols):
-        images = batch.column(0).to_pylist()
-        caps = batch.column(1).to_pylist() if len(cols) > 1 else [None] * len(images)
-        for img, cap in zip(images, caps):
-            yield i, img, cap
+        values = [batch.column(cols.index(c)).to_pylist() if c else [None] * batch.num_rows for c in wanted]
+        for img, cap, sl in zip(*values):
+            yield i, img, cap, sl
             i += 1
 
 

@@ -153,10 +153,15 @@ def _hf_parquet(path, n_files: int = 2) -> list[str]:
             photo.rotate(f * 50 + i * 7).save(b, format="PNG")
             data = b.getvalue() if (f, i) != (1, 3) else b.getvalue()[:60]  # a truncated PNG
             recs.append(
-                {"image": {"bytes": data, "path": f"img_{f}_{i}.png"}, "captions": [f"caption {f} {i}", "another"]}
+                {
+                    "image": {"bytes": data, "path": f"img_{f}_{i}.png"},
+                    "captions": [f"caption {f} {i}", "another"],
+                    "kind": ["even", "odd"][i % 2],
+                }
             )
             expected.append(ACCEPTED if (f, i) != (1, 3) else "decode_error")
-        table = pa.Table.from_pylist(recs, schema=pa.schema([("image", struct), ("captions", pa.list_(pa.string()))]))
+        schema = pa.schema([("image", struct), ("captions", pa.list_(pa.string())), ("kind", pa.string())])
+        table = pa.Table.from_pylist(recs, schema=schema)
         pq.write_table(table, path / f"train-{f:05d}.parquet", row_group_size=2)
     return expected
 
@@ -175,6 +180,27 @@ def test_parquet_dataset_with_struct_images_and_captions(tmp_path):
     store = Store(cfg.output)
     rows = store.read_tables([store.path("datasets", m.dataset_fingerprint, "shards", s) for s in m.shards]).to_pylist()
     assert all(r["references"] and r["references"][1] == "another" for r in rows)
+    assert all(r["slice"] is None for r in rows)  # no slice column asked for
+
+
+def test_a_parquet_slice_column_is_carried_into_the_shards(tmp_path):
+    (tmp_path / "ds").mkdir()
+    _hf_parquet(tmp_path / "ds")
+    plain = ingest(RunConfig(dataset=str(tmp_path / "ds"), output=str(tmp_path / "out")))
+    cfg = RunConfig(dataset=str(tmp_path / "ds"), output=str(tmp_path / "out"), slice_column="kind")
+    ing = ingest(cfg)
+    assert ing.dataset_fingerprint != plain.dataset_fingerprint and ing.slice_column == "kind"
+    m = preprocess(ing, cfg)
+    store = Store(cfg.output)
+    rows = store.read_tables([store.path("datasets", m.dataset_fingerprint, "shards", s) for s in m.shards]).to_pylist()
+    want = {f"train-0000{f}.parquet#{i}:img_{f}_{i}.png": ["even", "odd"][i % 2] for f in range(2) for i in range(5)}
+    assert len(rows) == 9 and all(r["slice"] == want[r["source"]] for r in rows)
+    with pytest.raises(DatasetError, match=r"no slice column 'nope' \(has \['image', 'captions', 'kind'\]\)"):
+        ingest(cfg.model_copy(update={"slice_column": "nope"}))
+    (tmp_path / "imgs").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / "a.png")
+    with pytest.raises(DatasetError, match="is a folder of images: slice_column names a Parquet column"):
+        ingest(RunConfig(dataset=str(tmp_path / "imgs"), output=str(tmp_path / "o"), slice_column="kind"))
 
 
 def test_parquet_rows_without_embedded_bytes(tmp_path):
