@@ -23,6 +23,7 @@ SHARDS = "shards"
 CAPTIONS, FAILURES, SCORES = "captions", "failures", "scores"
 LEADERBOARD = "leaderboard.parquet"
 RESULTS_CACHE = ".prefect-cache"
+EXTERNAL_GENERATION = "external"  # the generation "fingerprint" of captions produced elsewhere (captionflow evaluate)
 
 
 def dataset_parts(dataset_fp: str) -> tuple[str, ...]:

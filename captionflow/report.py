@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 import pyarrow as pa
 
-from captionflow.layout import LEADERBOARD
+from captionflow.layout import EXTERNAL_GENERATION, LEADERBOARD
 from captionflow.lease import Lease
 from captionflow.results import InferenceResult, Manifest
 from captionflow.storage import Store
@@ -45,6 +45,7 @@ def update_leaderboard(store: Store, ds_fp: str, run: tuple, model_source: str, 
         "failure_rate": metrics["stats"]["failure_rate"],
         **{k: metrics["reference"].get(k) for k in ("bleu_4", "rouge_l", "cider", "meteor")},
         "judge_mean": (metrics.get("judge") or {}).get("mean_score"),
+        "external": run[3] == EXTERNAL_GENERATION,  # captions produced elsewhere (captionflow evaluate)
     }
     board = read_leaderboard(store)
     old = next((r for r in board if _row_name(r) == _row_name(row)), None)

@@ -159,6 +159,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from flows.evaluate_flow import evaluate_captions
+
+    summary = _flow_call(evaluate_captions, **_config(args).model_dump(), captions=args.captions, name=args.name)
+    print(_summary_text(summary))
+    if args.summary_json:
+        with open(args.summary_json, "w", encoding="utf-8") as fh:
+            json.dump(summary, fh, indent=2, sort_keys=True, default=str)
+    return 0
+
+
 def cmd_deploy(args: argparse.Namespace) -> int:
     from deployments.deploy import deploy, prefect_yaml
 
@@ -386,6 +397,16 @@ def main(argv: list[str] | None = None) -> int:
     cmp_.add_argument("--summary-json", help="also write the per-checkpoint summaries as JSON here")
     _add_config_options(cmp_, skip=("model",))
     cmp_.set_defaults(func=cmd_compare)
+    ev = sub.add_parser(
+        "evaluate",
+        help="evaluate captions produced elsewhere (JSONL/Parquet) on a dataset: metrics, report, leaderboard",
+    )
+    ev.add_argument("captions", help="JSONL or Parquet with 'caption' and 'image_id' or 'file_name' per row")
+    ev.add_argument("--name", help="the leaderboard's name for them (default: the file's name), shown as external:NAME")
+    ev.add_argument("--config", help="YAML file of parameters (command-line options win)")
+    ev.add_argument("--summary-json", help="also write the run summary as JSON here")
+    _add_config_options(ev, skip=("model", "judge", "judge_model", "pairwise_against"))
+    ev.set_defaults(func=cmd_evaluate)
     dep = sub.add_parser("deploy", help="create the Prefect deployments (nightly golden run, checkpoint trigger)")
     dep.add_argument("--config", help="YAML file of parameters: the deployments' default run config")
     dep.add_argument("--work-pool", default="captionflow", help="work pool (created if missing)")
