@@ -172,6 +172,13 @@ class RunConfig(BaseModel):
         "evaluated on this dataset (its model source or fingerprint prefix) or a run folder. Gives a win rate "
         "with its 95% interval. The judge is judge_model (default: the model itself).",
     )
+    clip_model: Optional[str] = Field(
+        None,
+        title="Reference-free score: CLIP checkpoint",
+        description="'builtin' (a tiny random CLIP built locally: meaningless scores) or a local CLIP-family "
+        "checkpoint folder: every caption gets its CLIPScore against its image (2.5 x max(cosine, 0); captions "
+        "truncated to 77 tokens), computed through Ray Data; the score a dataset without references gets.",
+    )
     coco_java: bool = Field(
         False,
         title="Java COCO metrics",

@@ -13,7 +13,7 @@ from captionflow.metrics import length_stats, reference_metrics
 from captionflow.pairwise_scores import pairwise_per_image
 from captionflow.report import read_leaderboard, render_report, update_leaderboard
 from captionflow.report_html import chart_png, render_html, side_by_side, thumbnails
-from captionflow.results import EvalResult, InferenceResult, JudgeResult, Manifest, PairwiseResult
+from captionflow.results import ClipResult, EvalResult, InferenceResult, JudgeResult, Manifest, PairwiseResult
 from captionflow.significance import PER_IMAGE, paired_bootstrap
 from captionflow.slices import slice_metrics, slices_of
 from captionflow.storage import Store
@@ -30,6 +30,7 @@ def evaluate(
     prompts: tuple[str, ...] = (),
     report_images: int = 200,
     pairwise: Optional[PairwiseResult] = None,
+    clip: Optional[ClipResult] = None,
 ) -> EvalResult:
     """Score the captions of one run; write scores.parquet, metrics.json, report.md, report.html and
     chart.png; update the leaderboard."""
@@ -54,6 +55,10 @@ def evaluate(
         metrics["judge"] = judge.headline()
         jt = store.read_unique(store.ls(*judge.judge_parts, SCORES, suffix=".parquet"))
         judged = {r["image_id"]: r for r in jt.to_pylist()} if jt is not None else {}
+    clipped: dict[str, float] = {}
+    if clip:
+        metrics["clip"] = clip.headline()
+        clipped = clip_per_image(clip.clip_dir)
     paired: dict[str, float] = {}
     if pairwise:
         metrics["pairwise"] = pairwise.headline()
@@ -72,6 +77,7 @@ def evaluate(
                 "judge_score": judged.get(r["image_id"], {}).get("score"),
                 "judge_reason": judged.get(r["image_id"], {}).get("reason"),
                 "pairwise_score": paired.get(r["image_id"]),
+                "clip_score": clipped.get(r["image_id"]),
             }
             for r in sorted(rows, key=lambda r: r["image_id"])
         ]
@@ -135,6 +141,13 @@ def write_html_report(
         max_images,
     )
     store.write_text(page, *run, "report.html")
+
+
+def clip_per_image(clip_dir: str) -> dict[str, float]:
+    """image id -> its CLIPScore (captionflow/pipeline/clip_score.py)."""
+    folder = Store(clip_dir)
+    t = folder.read_unique(folder.ls(SCORES, suffix=".parquet"), columns=["image_id", "clip_score"])
+    return dict(zip(t["image_id"].to_pylist(), t["clip_score"].to_pylist())) if t is not None else {}
 
 
 def per_image(rows: list[dict]) -> dict[str, dict]:

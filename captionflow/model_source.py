@@ -146,3 +146,31 @@ def check_weights(path: Path) -> None:
                 f"model weights {str(f)!r}: the header describes {8 + n + end} bytes, the file has "
                 f"{size}: truncated or damaged"
             )
+
+
+@dataclass(frozen=True)
+class ClipModel:
+    """The checkpoint of the reference-free score (``clip_model``), resolved to a local folder."""
+
+    source: str
+    path: str
+    fingerprint: str
+
+
+def resolve_clip(source: str) -> ClipModel:
+    """The checkpoint ``clip_model`` names, checked before any work: a CLIP config and its weights."""
+    if source == "builtin":
+        from captionflow.builtin.clip import ensure_builtin_clip
+
+        path = ensure_builtin_clip()
+    else:
+        path = Path(source).expanduser()
+        config = path / "config.json"
+        if not config.is_file():
+            raise ModelError(f"clip_model {source!r}: no config.json there (a local CLIP-family checkpoint folder)")
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+        if model_type != "clip":
+            raise ModelError(f"clip_model {source!r}: model_type is {model_type!r}, not 'clip'")
+        if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+            raise ModelError(f"clip_model {source!r}: no weights (*.safetensors or *.bin) in {path}")
+    return ClipModel(source=source, path=str(path), fingerprint=model_fingerprint(path))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from captionflow.config import RunConfig
 from captionflow.errors import CaptionflowError, DatasetError
-from captionflow.model_source import ResolvedModel, resolve_model
+from captionflow.model_source import ResolvedModel, resolve_clip, resolve_model
 from captionflow.pipeline.device import local_gpus
 from captionflow.pipeline.engine import EngineSettings, resolve_engine
 from captionflow.pipeline.presets import PRESETS
@@ -54,6 +54,7 @@ def preflight(cfg: RunConfig) -> PreflightResult:
     if cfg.judge or cfg.pairwise_against:
         same = cfg.judge_model in (None, cfg.model)
         judge = model if same else resolve_model(cfg.judge_model, dummy_weights=cfg.dummy_weights())
+    clip = resolve_clip(cfg.clip_model) if cfg.clip_model else None
     if cfg.coco_java and not shutil.which("java"):
         raise OptionError("coco_java needs Java on the PATH (PTB tokenizer and METEOR run on the JVM)")
     check_engine_kwargs(cfg.engine_kwargs)
@@ -62,7 +63,7 @@ def preflight(cfg: RunConfig) -> PreflightResult:
     check_ranges(cfg, model, engine)
     judge_engine = resolve_engine(cfg, judge, PRESETS[device], gpus, local) if judge else None
     check_placement(cfg, engine, local)
-    return PreflightResult(model=model, judge=judge, engine=engine, judge_engine=judge_engine)
+    return PreflightResult(model=model, judge=judge, engine=engine, judge_engine=judge_engine, clip=clip)
 
 
 # ---------------------------------------------------------------- storage

@@ -12,8 +12,8 @@ from captionflow.lease import Lease
 from captionflow.results import InferenceResult, Manifest
 from captionflow.storage import Store
 
-COMPARED = ("bleu_4", "rouge_l", "cider", "meteor", "judge_mean")
-ROW_FIELDS = ("n_captions", "failure_rate", "bleu_4", "rouge_l", "cider", "meteor", "judge_mean")
+COMPARED = ("bleu_4", "rouge_l", "cider", "meteor", "judge_mean", "clip_score")
+ROW_FIELDS = ("n_captions", "failure_rate", "bleu_4", "rouge_l", "cider", "meteor", "judge_mean", "clip_score")
 ROWS = "leaderboard"  # one JSON file per (dataset, model, generation): each run writes only its own
 
 
@@ -45,6 +45,7 @@ def update_leaderboard(store: Store, ds_fp: str, run: tuple, model_source: str, 
         "failure_rate": metrics["stats"]["failure_rate"],
         **{k: metrics["reference"].get(k) for k in ("bleu_4", "rouge_l", "cider", "meteor")},
         "judge_mean": (metrics.get("judge") or {}).get("mean_score"),
+        "clip_score": (metrics.get("clip") or {}).get("mean"),
         "external": run[3] == EXTERNAL_GENERATION,  # captions produced elsewhere (captionflow evaluate)
     }
     board = read_leaderboard(store)
@@ -193,10 +194,18 @@ def render_report(
     for k in ("bleu_1", "bleu_4", "rouge_l", "cider", "meteor"):
         if k in ref:
             lines.append(f"| {k} | {ref[k]:.4f} |")
+    clip = metrics.get("clip")
+    if clip and clip.get("mean") is not None:
+        lines.append(f"| CLIPScore (reference-free, `{clip['clip_model']}`) | {clip['mean']:.4f} |")
     if not ref:
         why = (
             "no reference metric: the dataset has no reference captions (a `captions.jsonl` beside the images, or "
-            "a captions column); turn on `judge` for a reference-free score"
+            "a captions column)"
+            + (
+                "; its reference-free score is the CLIPScore above"
+                if clip
+                else "; `clip_model` (CLIPScore) or `judge` give a reference-free score"
+            )
         )
         lines.append(f"| {why} | - |")
     lines += [

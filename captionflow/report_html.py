@@ -19,14 +19,25 @@ from captionflow.storage import Store
 
 THUMB_PX = 160
 SIDE_BY_SIDE = 20  # wins and as many losses
-SORTED_BY = ("cider", "judge_score")  # per-image scores the side-by-side view sorts by, the first that differs
-CHARTED = (("cider", "CIDEr"), ("bleu_4", "BLEU-4"), ("rouge_l", "ROUGE-L"), ("judge_mean", "judge (1-5)"))
+SORTED_BY = (
+    "cider",
+    "judge_score",
+    "clip_score",
+)  # per-image scores the side-by-side view sorts by, the first that differs
+CHARTED = (
+    ("cider", "CIDEr"),
+    ("bleu_4", "BLEU-4"),
+    ("rouge_l", "ROUGE-L"),
+    ("judge_mean", "judge (1-5)"),
+    ("clip_score", "CLIPScore"),
+)
 PER_IMAGE_COLUMNS = (
     ("cider", "CIDEr"),
     ("bleu_4", "BLEU-4"),
     ("rouge_l", "ROUGE-L"),
     ("judge_score", "judge"),
     ("pairwise_score", "pairwise (1 won)"),
+    ("clip_score", "CLIPScore"),
 )
 
 STYLE = """
@@ -157,6 +168,11 @@ def render_html(
             out.append(f"<tr><td>{k}</td>{_num(ref[k], '{:.4f}')}</tr>")
     if not ref:
         out.append("<tr><td>reference metrics</td><td>none: the dataset has no reference captions</td></tr>")
+    clip = metrics.get("clip")
+    if clip and clip.get("mean") is not None:
+        out.append(
+            f"<tr><td>CLIPScore (reference-free, {_e(clip['clip_model'])})</td>{_num(clip['mean'], '{:.4f}')}</tr>"
+        )
     j = metrics.get("judge")
     if j and j.get("mean_score") is not None:
         out.append(f"<tr><td>judge mean (1-5)</td>{_num(j['mean_score'], '{:.2f}')}</tr>")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from captionflow.model_source import ResolvedModel
+from captionflow.model_source import ClipModel, ResolvedModel
 from captionflow.pipeline.engine import EngineSettings
 
 
@@ -22,6 +22,7 @@ class PreflightResult:
     judge: Optional[ResolvedModel]
     engine: EngineSettings
     judge_engine: Optional[EngineSettings] = None
+    clip: Optional[ClipModel] = None
 
 
 @dataclass
@@ -153,6 +154,21 @@ class PairwiseResult:
         d = asdict(self)
         d.pop("passes")
         return d
+
+
+@dataclass
+class ClipResult:
+    """The reference-free CLIPScore pass of one run (captionflow/pipeline/clip_score.py)."""
+
+    clip_model: str
+    clip_dir: str
+    scored: int
+    failed: int
+    mean: Optional[float]
+    seconds: float
+
+    def headline(self) -> dict:
+        return {"clip_model": self.clip_model, "scored": self.scored, "failed": self.failed, "mean": self.mean}
 
 
 @dataclass

@@ -6,7 +6,8 @@ metric the statistic is the mean of the per-image scores over the images both ru
 - CIDEr and ROUGE-L: exactly the corpus metric (CIDEr's IDF held at the full reference set's, as scored;
   resampling does not recompute it);
 - BLEU-4: the mean sentence-level BLEU-4, an approximation of corpus BLEU (which pools n-gram counts);
-- judge: the mean 1-5 score.
+- judge: the mean 1-5 score;
+- CLIPScore: the mean per-image score (reference-free).
 
 The bootstrap draws ``n`` resamples of the images with replacement (fixed seed), the same draw for every
 metric, and takes the delta's percentile interval. The two-sided p-value is the share of resampled
@@ -22,7 +23,13 @@ from typing import Any, Optional
 import numpy as np
 
 # leaderboard metric -> per-image column of scores.parquet
-PER_IMAGE = {"cider": "cider", "bleu_4": "bleu_4", "rouge_l": "rouge_l", "judge_mean": "judge_score"}
+PER_IMAGE = {
+    "cider": "cider",
+    "bleu_4": "bleu_4",
+    "rouge_l": "rouge_l",
+    "judge_mean": "judge_score",
+    "clip_score": "clip_score",
+}
 BETTER, WORSE, SAME = "better", "worse", "no detectable difference"
 
 

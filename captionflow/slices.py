@@ -19,6 +19,7 @@ SLICED = (
     ("rouge_l", "rouge_l"),
     ("judge_mean", "judge_score"),
     ("pairwise_win_rate", "pairwise_score"),
+    ("clip_score", "clip_score"),
 )
 
 

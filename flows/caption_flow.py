@@ -1,4 +1,5 @@
-"""The captionflow flow: preflight -> ingest -> preprocess -> inference -> [judge] -> [pairwise] -> evaluate -> publish.
+"""The captionflow flow: preflight -> ingest -> preprocess -> inference -> [judge] -> [pairwise] -> [clip-score]
+-> evaluate -> publish.
 
 Each stage is a Prefect task (``tasks/``) with its retries and cache key on its decorator. Stages after
 the listing are cached on content fingerprints (dataset, model, generation settings), never the run
@@ -15,6 +16,7 @@ from prefect import flow, runtime
 from captionflow.config import RunConfig
 from captionflow.results import RunSummary
 from flows.parameters import with_config_parameters
+from tasks.clip import clip_task
 from tasks.evaluate import evaluate_task
 from tasks.inference import inference_task
 from tasks.ingest import ingest_task
@@ -38,7 +40,8 @@ def caption_flow(config: RunConfig) -> dict:
         captions = inference_task(config, manifest, checked)
         judged = judge_task(config, manifest, captions, checked) if config.judge else None
         paired = pairwise_task(config, manifest, captions, checked) if config.pairwise_against else None
-        scored = evaluate_task(config, manifest, captions, judged, paired)
+        clipped = clip_task(config, manifest, captions, checked) if config.clip_model else None
+        scored = evaluate_task(config, manifest, captions, judged, paired, clipped)
     summary = RunSummary.build(ing, manifest, captions, scored, stages.records, stages.elapsed(), runtime.flow_run.id)
     summary.regression = publish_task(config, summary.to_dict())
     return summary.to_dict()

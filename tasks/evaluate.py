@@ -10,7 +10,7 @@ from captionflow.config import RunConfig
 from captionflow.evaluate import evaluate
 from captionflow.fingerprint import digest
 from captionflow.layout import missing_files
-from captionflow.results import EvalResult, InferenceResult, JudgeResult, Manifest, PairwiseResult
+from captionflow.results import ClipResult, EvalResult, InferenceResult, JudgeResult, Manifest, PairwiseResult
 from captionflow.storage import Store
 from tasks.results import record_stage, validated
 from tasks.retry import retry_transient
@@ -22,6 +22,7 @@ def _key(
     inference: InferenceResult,
     judge: Optional[JudgeResult],
     pairwise: Optional[PairwiseResult] = None,
+    clip: Optional[ClipResult] = None,
 ) -> str:
     return digest(
         [
@@ -30,6 +31,7 @@ def _key(
             inference.failed,
             judge and judge.judged,
             pairwise and [pairwise.pairwise_dir, pairwise.judged],
+            clip and [clip.clip_dir, clip.scored],
             cfg.coco_java,
             cfg.bootstrap_resamples,
             cfg.report_images,
@@ -37,7 +39,7 @@ def _key(
     )
 
 
-def _missing(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, judge, pairwise=None):
+def _missing(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, judge, pairwise=None, clip=None):
     return missing_files(
         Store(cfg.output), tuple(inference.run_parts), ("scores.parquet", "metrics.json", "report.md", "report.html")
     )
@@ -59,6 +61,7 @@ def evaluate_task(
     inference: InferenceResult,
     judge: Optional[JudgeResult],
     pairwise: Optional[PairwiseResult] = None,
+    clip: Optional[ClipResult] = None,
 ) -> EvalResult:
     return evaluate(
         cfg.output,
@@ -71,4 +74,5 @@ def evaluate_task(
         prompts=(cfg.prompt, cfg.system_prompt),
         report_images=cfg.report_images,
         pairwise=pairwise,
+        clip=clip,
     )

@@ -20,7 +20,7 @@ def demo_run(prefect_api, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("out")
     first, second = out / "first.json", out / "second.json"
-    args = ["run", "--output", str(out), "--device", "cpu", "--judge"]
+    args = ["run", "--output", str(out), "--device", "cpu", "--judge", "--clip-model", "builtin"]
     assert main([*args, "--summary-json", str(first)]) == 0
     assert main([*args, "--summary-json", str(second)]) == 0
     return out, json.loads(first.read_text()), json.loads(second.read_text())
@@ -33,6 +33,11 @@ def test_summary_has_documented_shape(demo_run):
     assert {"bleu_4", "rouge_l", "cider"} <= set(s["metrics"]["reference"])
     assert s["metrics"]["stats"]["n_captions"] == s["counts"]["captioned"]
     assert s["timings_s"]["total_s"] > 0
+    clip = s["metrics"]["clip"]  # the reference-free score, through Ray Data
+    assert clip["clip_model"] == "builtin" and clip["scored"] == s["counts"]["captioned"] and clip["failed"] == 0
+    scores = pq.read_table(f"{s['run_dir']}/scores.parquet").to_pylist()
+    assert all(0.0 <= r["clip_score"] <= 2.5 for r in scores)
+    assert sum(r["clip_score"] for r in scores) / len(scores) == pytest.approx(clip["mean"])
 
 
 def test_every_input_accounted_for(demo_run):
@@ -66,7 +71,7 @@ def test_rerun_reuses_dataset_and_captions(demo_run):
     _, s, second = demo_run
     assert s["cached_stages"] == []
     # same inputs: every stage after the listing is a Prefect cache hit keyed on fingerprints
-    assert second["cached_stages"] == ["preprocess", "inference", "judge", "evaluate"]
+    assert second["cached_stages"] == ["preprocess", "inference", "judge", "clip-score", "evaluate"]
     assert second["preprocess_skipped"] is True
     assert second["dataset_dir"] == s["dataset_dir"] and second["run_dir"] == s["run_dir"]
     assert second["counts"] == s["counts"]
