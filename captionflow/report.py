@@ -250,7 +250,7 @@ def render_report(
         for label in ("previous", "best_so_far"):
             d = comp.get(label)
             if d:
-                cells = " | ".join("" if d[k] is None else f"{d[k]:+.4f}" for k in COMPARED)
+                cells = " | ".join("" if d.get(k) is None else f"{d[k]:+.4f}" for k in COMPARED)
                 lines.append(f"| {label.replace('_', ' ')} | `{d['model']}` | {cells} |")
         lines.append("")
         lines += significance_lines(comp)

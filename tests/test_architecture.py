@@ -78,6 +78,11 @@ def test_the_import_graph_has_no_cycle():
             assert cycle is None, " -> ".join(cycle)
 
 
+# Worker modules that run a model import torch inside the actor that loads it, never at module level (the
+# run-time check below holds for them too).
+LOADS_A_MODEL = {"captionflow.workers.clip_rows": {"torch"}}
+
+
 def test_worker_code_imports_neither_prefect_nor_ray():
     workers = [m for m in _modules() if m.startswith("captionflow.workers")]
     assert {"captionflow.workers.images", "captionflow.workers.decode", "captionflow.workers.llm_rows"} <= set(workers)
@@ -85,7 +90,8 @@ def test_worker_code_imports_neither_prefect_nor_ray():
         for node in ast.walk(ast.parse(_modules()[m].read_text(encoding="utf-8"))):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                assert not [n for n in names if n.split(".")[0] in ("prefect", "ray", "vllm", "torch")], (m, names)
+                heavy = {"prefect", "ray", "vllm", "torch"} - LOADS_A_MODEL.get(m, set())
+                assert not [n for n in names if n.split(".")[0] in heavy], (m, names)
     # and at run time: importing them pulls in none of the heavy stacks
     code = (
         "import sys, " + ", ".join(workers) + "; "
