@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--name", help="the leaderboard's name for them (default: the file's name), shown as external:NAME")
     ev.add_argument("--config", help="YAML file of parameters (command-line options win)")
     ev.add_argument("--summary-json", help="also write the run summary as JSON here")
-    _add_config_options(ev, skip=("model", "judge", "judge_model", "pairwise_against"))
+    _add_config_options(ev, skip=("model", "judge", "judge_model", "pairwise_against", "clip_model"))
     ev.set_defaults(func=cmd_evaluate)
     dep = sub.add_parser("deploy", help="create the Prefect deployments (nightly golden run, checkpoint trigger)")
     dep.add_argument("--config", help="YAML file of parameters: the deployments' default run config")

@@ -30,8 +30,8 @@ NAME = inspect.Parameter("name", inspect.Parameter.KEYWORD_ONLY, default=None, a
 @with_config_parameters(CAPTIONS, NAME)
 def evaluate_captions(config: RunConfig, captions: str = "", name: Optional[str] = None) -> dict:
     """Score a JSONL/Parquet file of (image_id or file_name, caption) on a dataset. Returns the run summary."""
-    if config.judge or config.pairwise_against:
-        raise ValueError("judge and pairwise_against need a model: not available for external captions")
+    if config.judge or config.pairwise_against or config.clip_model:
+        raise ValueError("judge, pairwise_against and clip_model are not offered for external captions (yet)")
     config = config.model_copy(update={"model": external_name(captions, name)})
     with stage_results(config.output) as stages:
         ing = ingest_task(config)
