@@ -98,21 +98,24 @@ def to_caption(row: dict, *, max_tokens: int, model_fp: str, attempt: int) -> di
     }
 
 
-def caption_fixed_schema(row: dict, *, model_fp: str, attempt: int) -> dict:
-    """Error rows bypass the processor's postprocess: give every row the same columns."""
+def fixed_schema(row: dict, *, schema: pa.Schema, attempt: int, blank: dict) -> dict:
+    """Error rows bypass the processor's postprocess: give every row ``schema``'s columns. An error row has
+    its image id, the error, the attempt, ``blank``'s values and None for the rest."""
     err = row.get("__inference_error__") or ""
     if err:
         return {
+            **dict.fromkeys(schema.names),
+            **blank,
             "image_id": row["image_id"],
-            "caption": "",
-            "finish_reason": "error",
-            "num_input_tokens": 0,
-            "num_output_tokens": 0,
-            "model_fingerprint": model_fp,
             "error": str(err)[:2000],
             "attempt": attempt,
         }
-    return {k: row[k] for k in CAPTION_SCHEMA.names}
+    return {k: row[k] for k in schema.names}
+
+
+def caption_fixed_schema(row: dict, *, model_fp: str, attempt: int) -> dict:
+    blank = {"caption": "", "finish_reason": "error", "num_input_tokens": 0, "num_output_tokens": 0}
+    return fixed_schema(row, schema=CAPTION_SCHEMA, attempt=attempt, blank={**blank, "model_fingerprint": model_fp})
 
 
 # ---------------------------------------------------------------- judging
@@ -156,17 +159,7 @@ def judge_out(row: dict, *, attempt: int) -> dict:
 
 
 def judge_fixed_schema(row: dict, *, attempt: int) -> dict:
-    err = row.get("__inference_error__") or ""
-    if err:
-        return {
-            "image_id": row["image_id"],
-            "score": None,
-            "reason": "",
-            "raw": "",
-            "error": str(err)[:2000],
-            "attempt": attempt,
-        }
-    return {k: row[k] for k in JUDGE_SCHEMA.names}
+    return fixed_schema(row, schema=JUDGE_SCHEMA, attempt=attempt, blank={"reason": "", "raw": ""})
 
 
 # ---------------------------------------------------------------- pairwise judging
@@ -267,15 +260,4 @@ def pairwise_out(row: dict, *, attempt: int) -> dict:
 
 
 def pairwise_fixed_schema(row: dict, *, attempt: int) -> dict:
-    err = row.get("__inference_error__") or ""
-    if err:
-        return {
-            "image_id": row["image_id"],
-            "winner": None,
-            "candidate_score": None,
-            "reason": "",
-            "raw": "",
-            "error": str(err)[:2000],
-            "attempt": attempt,
-        }
-    return {k: row[k] for k in PAIRWISE_SCHEMA.names}
+    return fixed_schema(row, schema=PAIRWISE_SCHEMA, attempt=attempt, blank={"reason": "", "raw": ""})
