@@ -12,11 +12,11 @@ from __future__ import annotations
 import time
 
 from captionflow.config import RunConfig
-from captionflow.layout import CAPTIONS, SCORES, shard_paths
+from captionflow.layout import SCORES, shard_paths
 from captionflow.lease import Lease
 from captionflow.model_source import ClipModel
 from captionflow.pipeline.engine import EngineSettings
-from captionflow.pipeline.ledger import Ledger, run_passes
+from captionflow.pipeline.ledger import Ledger, read_captions, run_passes
 from captionflow.pipeline.processor import read_pending
 from captionflow.pipeline.session import ray_session
 from captionflow.results import ClipResult, InferenceResult, Manifest
@@ -37,8 +37,7 @@ def run_clip(
     store = Store(cfg.output)
     run = tuple(inference.run_parts)
     base = clip_parts(run, clip)
-    caps = store.read_unique(store.ls(*run, CAPTIONS, suffix=".parquet"), columns=["image_id", "caption"])
-    captions = dict(zip(caps["image_id"].to_pylist(), caps["caption"].to_pylist())) if caps is not None else {}
+    captions = read_captions(store, run)
     with Lease(
         store, "/".join(base), what=f"the CLIP score folder {store.url(*base)}", wait_s=cfg.lease_wait_s
     ) as lease:

@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
+from typing import Optional
 
 from captionflow.config import RunConfig
 from captionflow.fingerprint import digest
-from captionflow.layout import CAPTIONS, FAILURES, SCORES, judge_parts, shard_paths
+from captionflow.layout import FAILURES, SCORES, judge_parts, shard_paths
 from captionflow.lease import Lease
 from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.engine import EngineSettings
-from captionflow.pipeline.ledger import Ledger, run_passes
+from captionflow.pipeline.ledger import Ledger, read_captions, run_passes
 from captionflow.pipeline.processor import build_vlm_processor, map_task_kwargs, read_pending
 from captionflow.pipeline.session import ray_session
 from captionflow.pipeline.staging import staged
-from captionflow.results import InferenceResult, JudgeResult, Manifest
+from captionflow.results import InferenceResult, JudgeResult, Manifest, PassResult
 from captionflow.storage import Store
 from captionflow.workers.llm_rows import (
     JUDGE_MAX_TOKENS,
@@ -58,8 +60,7 @@ def run_judge(
     store = Store(cfg.output)
     run = tuple(inference.run_parts)
     base = judge_run_parts(run, judge, engine)
-    caps = store.read_unique(store.ls(*run, CAPTIONS, suffix=".parquet"), columns=["image_id", "caption"])
-    captions = dict(zip(caps["image_id"].to_pylist(), caps["caption"].to_pylist())) if caps is not None else {}
+    captions = read_captions(store, run)
     passes = []
     with Lease(store, "/".join(base), what=f"the judge folder {store.url(*base)}", wait_s=cfg.lease_wait_s) as lease:
         ledger = Ledger(
@@ -74,11 +75,16 @@ def run_judge(
         )
         done = ledger.committed()
         if set(captions) - done:
-            passes = _judge_passes(cfg, manifest, judge, engine, store, ledger, captions, done)
+            passes = judge_passes(
+                cfg, manifest, judge, engine, ledger, set(captions), done,
+                regex=JUDGE_REGEX,
+                max_tokens=JUDGE_MAX_TOKENS,
+                request=functools.partial(judge_request, captions=captions),
+                out=judge_out,
+                fixed=judge_fixed_schema,
+            )  # fmt: skip
     scores = store.read_unique(store.ls(*base, SCORES, suffix=".parquet"))
     rows = scores.to_pylist() if scores is not None else []
-    failures = store.read_tables(store.ls(*base, FAILURES, suffix=".parquet"))
-    n_unparsed = sum(1 for r in failures.to_pylist() if r["error"].startswith("unparseable")) if failures else 0
     values = [r["score"] for r in rows]
     return JudgeResult(
         judge_model=judge.source,
@@ -86,7 +92,7 @@ def run_judge(
         judge_parts=base,
         judged=len(rows),
         failed=len(captions) - len(rows),
-        parse_rate=len(rows) / (len(rows) + n_unparsed) if rows or n_unparsed else 0.0,
+        parse_rate=parse_rate(store, base, len(rows)),
         mean_score=sum(values) / len(values) if values else None,
         distribution={str(k): values.count(k) for k in range(1, 6)},
         passes=passes,
@@ -94,36 +100,52 @@ def run_judge(
     )
 
 
-def _judge_passes(
+def parse_rate(store: Store, base: tuple[str, ...], n_parsed: int) -> float:
+    """The share of a judge's answers that parsed: ``n_parsed`` against the unparseable ones in ``base/failures``."""
+    failures = store.read_tables(store.ls(*base, FAILURES, suffix=".parquet"))
+    n_unparsed = sum(1 for r in failures.to_pylist() if r["error"].startswith("unparseable")) if failures else 0
+    return n_parsed / (n_parsed + n_unparsed) if n_parsed or n_unparsed else 0.0
+
+
+def judge_passes(
     cfg: RunConfig,
     manifest: Manifest,
     judge: ResolvedModel,
     engine: EngineSettings,
-    store: Store,
     ledger: Ledger,
-    captions: dict[str, str],
+    todo: set[str],
     done: set[str],
-):
+    *,
+    regex: str,
+    max_tokens: int,
+    request: Callable,
+    out: Callable,
+    fixed: Callable,
+    fan_out: Optional[Callable[[list[str]], tuple[list[str], Callable]]] = None,
+) -> list[PassResult]:
+    """The passes of a judge that answers through structured output (``regex``, greedy): ``request(row,
+    sampling=, grid=)`` builds each request from a dataset row, ``out(row, attempt=)`` parses the answer,
+    ``fixed(row, attempt=)`` gives error rows the ledger's schema. ``fan_out(pending)``, for results that are
+    not one per image (pairwise: two orders), gives the images to read and the row -> rows function that
+    makes each image's pending requests."""
     local = ray_session(cfg).started_here
+    store = ledger.store
     shards = shard_paths(store, manifest)
-    sampling = {
-        "max_tokens": JUDGE_MAX_TOKENS,
-        "temperature": 0.0,
-        "seed": cfg.seed,
-        "structured_outputs": {"regex": JUDGE_REGEX},
-    }
+    sampling = {"max_tokens": max_tokens, "temperature": 0.0, "seed": cfg.seed, "structured_outputs": {"regex": regex}}
+    map_kwargs = map_task_kwargs(engine.preset)
 
     def rows_for(attempt: int, pending: list[str], judge_path: str):
         processor = build_vlm_processor(
             engine,
             judge_path,
-            preprocess=functools.partial(judge_request, captions=captions, sampling=sampling, grid=engine.image_grid),
-            postprocess=functools.partial(judge_out, attempt=attempt),
+            preprocess=functools.partial(request, sampling=sampling, grid=engine.image_grid),
+            postprocess=functools.partial(out, attempt=attempt),
         )
-        ds = read_pending(store.fs, shards, ["image_id", "image", "references"], pending, engine)
-        return processor(ds).map(
-            functools.partial(judge_fixed_schema, attempt=attempt), **map_task_kwargs(engine.preset)
-        )
+        images, expand = fan_out(pending) if fan_out else (pending, None)
+        ds = read_pending(store.fs, shards, ["image_id", "image", "references"], images, engine)
+        if expand:
+            ds = ds.flat_map(expand, **map_kwargs)
+        return processor(ds).map(functools.partial(fixed, attempt=attempt), **map_kwargs)
 
     with staged(judge.path, engine.compile_dir, local=local) as path:
-        return run_passes(ledger, set(captions), done, cfg.row_retries, functools.partial(rows_for, judge_path=path))
+        return run_passes(ledger, todo, done, cfg.row_retries, functools.partial(rows_for, judge_path=path))

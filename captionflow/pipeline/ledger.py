@@ -22,7 +22,7 @@ from typing import Optional
 import pyarrow as pa
 
 from captionflow.errors import CaptionflowError, EngineFailed
-from captionflow.layout import FAILURES
+from captionflow.layout import CAPTIONS, FAILURES
 from captionflow.lease import Lease
 from captionflow.pipeline.watchdog import Watchdog
 from captionflow.results import PassResult
@@ -170,3 +170,9 @@ def run_passes(
             )
         )
     return passes
+
+
+def read_captions(store: Store, run: tuple[str, ...]) -> dict[str, str]:
+    """image id -> caption, of the captions committed under a run folder (each image once)."""
+    t = store.read_unique(store.ls(*run, CAPTIONS, suffix=".parquet"), columns=["image_id", "caption"])
+    return dict(zip(t["image_id"].to_pylist(), t["caption"].to_pylist())) if t is not None else {}

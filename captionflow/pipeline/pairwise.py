@@ -18,15 +18,13 @@ from typing import Optional
 from captionflow.config import RunConfig
 from captionflow.errors import BaselineError
 from captionflow.fingerprint import digest
-from captionflow.layout import CAPTIONS, FAILURES, SCORES, shard_paths
+from captionflow.layout import CAPTIONS, SCORES
 from captionflow.lease import Lease
 from captionflow.model_source import ResolvedModel
 from captionflow.pairwise_scores import per_image_scores
 from captionflow.pipeline.engine import EngineSettings
-from captionflow.pipeline.ledger import Ledger, run_passes
-from captionflow.pipeline.processor import build_vlm_processor, map_task_kwargs, read_pending
-from captionflow.pipeline.session import ray_session
-from captionflow.pipeline.staging import staged
+from captionflow.pipeline.judge import judge_passes, parse_rate
+from captionflow.pipeline.ledger import Ledger, read_captions
 from captionflow.report import read_leaderboard
 from captionflow.results import InferenceResult, Manifest, PairwiseResult
 from captionflow.significance import win_rate
@@ -94,11 +92,6 @@ def pairwise_run_parts(
     return (*run, "pairwise", fp)
 
 
-def _captions(store: Store, parts: tuple[str, ...] = ()) -> dict[str, str]:
-    t = store.read_unique(store.ls(*parts, CAPTIONS, suffix=".parquet"), columns=["image_id", "caption"])
-    return dict(zip(t["image_id"].to_pylist(), t["caption"].to_pylist())) if t is not None else {}
-
-
 def run_pairwise(
     cfg: RunConfig, manifest: Manifest, inference: InferenceResult, judge: ResolvedModel, engine: EngineSettings
 ) -> PairwiseResult:
@@ -111,7 +104,7 @@ def run_pairwise(
             cfg.pairwise_against, judge.source, "", "", "", 0, 0, 0.0, 0, 0, 0, 0.0, None, [], 0.0,
             note=f"no earlier run on this dataset with these generation settings to take as {cfg.pairwise_against!r}",
         )  # fmt: skip
-    candidate, baseline = _captions(store, run), _captions(Store(base["run_dir"]))
+    candidate, baseline = read_captions(store, run), read_captions(Store(base["run_dir"]), ())
     todo = {pair_id(i, o) for i in set(candidate) & set(baseline) for o in ORDERS}
     parts = pairwise_run_parts(run, judge, engine, base["run_dir"])
     passes = []
@@ -123,11 +116,17 @@ def run_pairwise(
         )  # fmt: skip
         done = ledger.committed()
         if todo - done:
-            passes = _passes(cfg, manifest, judge, engine, store, ledger, todo, done, candidate, baseline)
+            passes = judge_passes(
+                cfg, manifest, judge, engine, ledger, todo, done,
+                regex=PAIRWISE_REGEX,
+                max_tokens=PAIRWISE_MAX_TOKENS,
+                request=functools.partial(pairwise_request, candidate=candidate, baseline=baseline),
+                out=pairwise_out,
+                fixed=pairwise_fixed_schema,
+                fan_out=both_orders_of,
+            )  # fmt: skip
     t = store.read_unique(store.ls(*parts, SCORES, suffix=".parquet"))
     rows = [r for r in (t.to_pylist() if t is not None else []) if r["image_id"] in todo]
-    failures = store.read_tables(store.ls(*parts, FAILURES, suffix=".parquet"))
-    n_unparsed = sum(1 for r in failures.to_pylist() if r["error"].startswith("unparseable")) if failures else 0
     per_image = per_image_scores(rows)
     both = {i: s for i, s in per_image.items() if len(s) == len(ORDERS)}
     shares = [sum(s.values()) / len(ORDERS) for s in both.values()]
@@ -139,7 +138,7 @@ def run_pairwise(
         pairwise_dir=store.url(*parts),
         judged=len(both),
         failed=len(todo) - len(rows),
-        parse_rate=len(rows) / (len(rows) + n_unparsed) if rows or n_unparsed else 0.0,
+        parse_rate=parse_rate(store, parts, len(rows)),
         wins=sum(1 for x in shares if x == 1.0),
         losses=sum(1 for x in shares if x == 0.0),
         ties=sum(1 for x in shares if 0.0 < x < 1.0),
@@ -150,31 +149,6 @@ def run_pairwise(
     )
 
 
-def _passes(cfg, manifest, judge, engine, store, ledger, todo, done, candidate, baseline):
-    local = ray_session(cfg).started_here
-    shards = shard_paths(store, manifest)
-    sampling = {
-        "max_tokens": PAIRWISE_MAX_TOKENS,
-        "temperature": 0.0,
-        "seed": cfg.seed,
-        "structured_outputs": {"regex": PAIRWISE_REGEX},
-    }
-
-    def rows_for(attempt: int, pending: list[str], judge_path: str):
-        processor = build_vlm_processor(
-            engine,
-            judge_path,
-            preprocess=functools.partial(
-                pairwise_request, candidate=candidate, baseline=baseline, sampling=sampling, grid=engine.image_grid
-            ),
-            postprocess=functools.partial(pairwise_out, attempt=attempt),
-        )
-        images = sorted({split_pair_id(p)[0] for p in pending})
-        ds = read_pending(store.fs, shards, ["image_id", "image", "references"], images, engine)
-        ds = ds.flat_map(functools.partial(both_orders, pending=frozenset(pending)), **map_task_kwargs(engine.preset))
-        return processor(ds).map(
-            functools.partial(pairwise_fixed_schema, attempt=attempt), **map_task_kwargs(engine.preset)
-        )
-
-    with staged(judge.path, engine.compile_dir, local=local) as path:
-        return run_passes(ledger, todo, done, cfg.row_retries, functools.partial(rows_for, judge_path=path))
+def both_orders_of(pending: list[str]) -> tuple[list[str], functools.partial]:
+    """The images of pending judgements (``<image_id>#ab|#ba``), and the row -> pending requests function."""
+    return sorted({split_pair_id(p)[0] for p in pending}), functools.partial(both_orders, pending=frozenset(pending))
