@@ -28,20 +28,11 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def _build_tokenizer(out: Path) -> dict[str, int]:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import processors
 
-    from captionflow.builtin.model import _training_text
+    from captionflow.builtin.model import _training_text, train_bpe
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=[EOS, BOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([t.lower() for t in _training_text()], trainer=trainer)
+    tok = train_bpe([t.lower() for t in _training_text()], [EOS, BOS], VOCAB_SIZE)
     ids = {t: tok.token_to_id(t) for t in (BOS, EOS)}
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A {EOS}", special_tokens=[(BOS, ids[BOS]), (EOS, ids[EOS])]

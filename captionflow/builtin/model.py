@@ -88,19 +88,25 @@ def _training_text() -> list[str]:
     return lines
 
 
-def _build_tokenizer(out: Path) -> dict[str, int]:
+def train_bpe(texts: list[str], special_tokens: list[str], vocab_size: int = VOCAB_SIZE):
+    """A byte-level BPE tokenizer trained on ``texts`` (deterministic: the same texts give the same bytes)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_training_text(), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def _build_tokenizer(out: Path) -> dict[str, int]:
+    tok = train_bpe(_training_text(), SPECIAL_TOKENS)
     tok.save(str(out / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     added = {
