@@ -11,7 +11,6 @@ are compared only with other external captions of the same dataset, and their le
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,6 +19,7 @@ from captionflow.errors import DatasetError
 from captionflow.fingerprint import digest
 from captionflow.layout import CAPTIONS, EXTERNAL_GENERATION, run_parts, shard_paths
 from captionflow.results import InferenceResult, Manifest
+from captionflow.sources import jsonl_objects, read_utf8
 from captionflow.storage import Store, open_fs
 from captionflow.workers.llm_rows import CAPTION_SCHEMA
 
@@ -37,18 +37,7 @@ def read_caption_file(path: str) -> list[dict]:
         with fs.open(p, "rb") as fh:
             rows = pq.read_table(fh).to_pylist()
     else:
-        rows = []
-        text = fs.cat_file(p).decode("utf-8", errors="replace")
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise DatasetError(f"{path}:{n}: not a JSON object ({e})") from None
-            if not isinstance(row, dict):
-                raise DatasetError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
+        rows = [obj for _, obj in jsonl_objects(read_utf8(fs, p), path)]
     if not rows:
         raise DatasetError(f"captions file {path!r} has no rows")
     for n, row in enumerate(rows, 1):

@@ -41,24 +41,41 @@ def resolve_dataset(dataset: str) -> str:
     return str(ensure_demo_dataset()) if dataset == "demo" else dataset
 
 
-def _read_sidecar(fs, path: str) -> dict[str, list[str]]:
+def read_utf8(fs, path: str) -> str:
+    """A text file's content; one that is not UTF-8 is refused naming the byte."""
     try:  # utf-8-sig: a spreadsheet's CSV export starts with a byte-order mark
-        raw = fs.cat_file(path).decode("utf-8-sig")
+        return fs.cat_file(path).decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise DatasetError(
             f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start : e.start + 1]!r}); "
             "save the captions file as UTF-8"
         ) from None
+
+
+def jsonl_objects(text: str, path: str):
+    """(line number, object) for each non-blank line of a JSONL text; a line that is not a JSON object is
+    refused naming the file and the line."""
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise DatasetError(f"{path}:{n}: not a JSON object ({e})") from None
+        if not isinstance(obj, dict):
+            raise DatasetError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
+        yield n, obj
+
+
+def _read_sidecar(fs, path: str) -> dict[str, list[str]]:
+    raw = read_utf8(fs, path)
     refs: dict[str, list[str]] = {}
     if path.endswith(".jsonl"):
-        for n, line in enumerate(raw.splitlines(), 1):
-            if not line.strip():
-                continue
+        for n, rec in jsonl_objects(raw, path):
             try:
-                rec = json.loads(line)
                 caps = rec["captions"]
                 refs[rec["file_name"]] = [caps] if isinstance(caps, str) else [str(c) for c in caps]
-            except (ValueError, KeyError, TypeError) as e:
+            except (KeyError, TypeError) as e:
                 raise DatasetError(f"{path}:{n}: expected {{'file_name', 'captions'}}: {e}") from None
     else:
         for row in csv.DictReader(io.StringIO(raw)):
