@@ -117,9 +117,9 @@ def write_html_report(
     comp = metrics["comparison"]
     label = next((k for k in ("previous", "best_so_far") if comp.get(k) and compared_rows.get(k)), None)
     theirs = compared_rows.get(label, []) if label else []
-    _, pairs = side_by_side(rows, theirs)
+    side = side_by_side(rows, theirs)
     ids = {r["image_id"] for r in sorted(rows, key=lambda r: r["image_id"])[:max_images]}
-    ids |= {d["mine"]["image_id"] for d in pairs}
+    ids |= {d["mine"]["image_id"] for d in side[1]}
     mine = store.url(*run)
     history = [
         r
@@ -137,7 +137,7 @@ def write_html_report(
         thumbnails(store, manifest, ids),
         chart,
         comp.get(label) if label else None,
-        theirs,
+        side,
         max_images,
     )
     store.write_text(page, *run, "report.html")

@@ -148,11 +148,11 @@ def render_html(
     thumbs: dict[str, str],
     chart: Optional[bytes],
     compared: Optional[dict[str, Any]] = None,
-    compared_rows: Optional[list[dict]] = None,
+    side: tuple[Optional[str], list[dict]] = (None, []),
     max_images: int = 200,
 ) -> str:
     """The page. ``scores``: this run's scores.parquet rows; ``compared``: the comparison (its ``model``,
-    ``run_dir``, ``significance``) whose scores are ``compared_rows``."""
+    ``run_dir``, ``significance``); ``side``: ``side_by_side`` of this run against it."""
     s, ref = metrics["stats"], metrics.get("reference") or {}
     out = [
         "<!doctype html><html><head><meta charset='utf-8'>",
@@ -211,7 +211,7 @@ def render_html(
             f"{base64.b64encode(chart).decode('ascii')}'>",
         ]
     if compared:
-        out += _comparison(compared, scores, compared_rows or [], thumbs)
+        out += _comparison(compared, side, thumbs)
     shown = sorted(scores, key=lambda r: r["image_id"])[:max_images]
     cols = [(k, label) for k, label in PER_IMAGE_COLUMNS if any(r.get(k) is not None for r in scores)]
     out += [
@@ -234,7 +234,7 @@ def render_html(
     return "\n".join(out)
 
 
-def _comparison(compared: dict, scores: list[dict], theirs: list[dict], thumbs: dict[str, str]) -> list[str]:
+def _comparison(compared: dict, side: tuple[Optional[str], list[dict]], thumbs: dict[str, str]) -> list[str]:
     out = [f"<h2>Against <code>{_e(compared['model'])}</code></h2>"]
     sig = compared.get("significance") or {}
     if sig and "error" not in sig:
@@ -248,7 +248,7 @@ def _comparison(compared: dict, scores: list[dict], theirs: list[dict], thumbs: 
                 f"</td>{_num(v['p_holm'])}<td><b>{_e(v['verdict'])}</b></td></tr>"
             )
         out.append("</table>")
-    metric, pairs = side_by_side(scores, theirs)
+    metric, pairs = side
     if not pairs:
         out.append("<p>The two checkpoints captioned every image alike.</p>")
         return out

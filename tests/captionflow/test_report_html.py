@@ -71,7 +71,8 @@ def test_the_page_renders_every_thumbnail_row_and_the_chart_in_chromium(tmp_path
     mine = _rows({f"img{i:02d}": i / n for i in range(n)})
     mine[0]["caption"] = "<img src=x onerror=alert(1)> a caption that must stay text"
     theirs = _rows({f"img{i:02d}": 0.5 for i in range(n)}, caption="a dog")
-    _, pairs = side_by_side(mine, theirs)
+    side = side_by_side(mine, theirs)
+    pairs = side[1]
     ids = {r["image_id"] for r in mine[:shown]} | {p["mine"]["image_id"] for p in pairs}
     thumbs = thumbnails(store, manifest, ids)
     assert set(thumbs) == ids and all(
@@ -97,7 +98,7 @@ def test_the_page_renders_every_thumbnail_row_and_the_chart_in_chromium(tmp_path
     }
     page = tmp_path / "report.html"
     page.write_text(
-        render_html("ckpt-2", manifest, metrics, mine, thumbs, chart_png(history, "r2"), compared, theirs, shown),
+        render_html("ckpt-2", manifest, metrics, mine, thumbs, chart_png(history, "r2"), compared, side, shown),
         encoding="utf-8",
     )
     dom = DomCounts(rendered_dom(page, tmp_path / "profile"))
