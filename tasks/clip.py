@@ -10,8 +10,8 @@ from captionflow.layout import CAPTIONS, SCORES, missing_rows
 from captionflow.pipeline.clip_score import clip_parts, run_clip
 from captionflow.results import ClipResult, InferenceResult, Manifest, PreflightResult
 from captionflow.storage import Store
+from tasks.policy import TIMEOUT_S, retry_transient
 from tasks.results import record_stage, validated
-from tasks.retry import retry_transient
 
 
 def _key(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, checked: PreflightResult) -> str:
@@ -26,6 +26,7 @@ def _missing(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, che
 
 @task(
     name="clip-score",
+    timeout_seconds=TIMEOUT_S["clip-score"],
     retries=1,
     retry_delay_seconds=[10],
     retry_condition_fn=retry_transient,

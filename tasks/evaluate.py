@@ -12,8 +12,8 @@ from captionflow.fingerprint import digest
 from captionflow.layout import missing_files
 from captionflow.results import ClipResult, EvalResult, InferenceResult, JudgeResult, Manifest, PairwiseResult
 from captionflow.storage import Store
+from tasks.policy import TIMEOUT_S, retry_transient
 from tasks.results import record_stage, validated
-from tasks.retry import retry_transient
 
 
 def _key(
@@ -47,6 +47,7 @@ def _missing(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, jud
 
 @task(
     name="evaluate",
+    timeout_seconds=TIMEOUT_S["evaluate"],
     retries=2,
     retry_delay_seconds=[2, 10],
     retry_condition_fn=retry_transient,

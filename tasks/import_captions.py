@@ -8,10 +8,16 @@ from prefect.logging import get_run_logger
 from captionflow.config import RunConfig
 from captionflow.external import import_captions
 from captionflow.results import InferenceResult, Manifest
+from tasks.policy import TIMEOUT_S
 from tasks.results import record_stage
 
 
-@task(name="import-captions", on_completion=[record_stage], on_failure=[record_stage])
+@task(
+    name="import-captions",
+    timeout_seconds=TIMEOUT_S["import-captions"],
+    on_completion=[record_stage],
+    on_failure=[record_stage],
+)
 def import_captions_task(cfg: RunConfig, manifest: Manifest, captions: str) -> InferenceResult:
     result, unmatched = import_captions(cfg.output, manifest, captions)
     log = get_run_logger()

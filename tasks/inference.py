@@ -11,8 +11,8 @@ from captionflow.layout import CAPTIONS, missing_rows, shard_paths
 from captionflow.pipeline.inference import caption_run_parts, run_inference
 from captionflow.results import InferenceResult, Manifest, PreflightResult
 from captionflow.storage import Store
+from tasks.policy import TIMEOUT_S, retry_transient
 from tasks.results import record_stage, validated
-from tasks.retry import retry_transient
 
 
 def _key(cfg: RunConfig, manifest: Manifest, checked: PreflightResult) -> str:
@@ -56,6 +56,7 @@ class ProgressArtifact:
 
 @task(
     name="inference",
+    timeout_seconds=TIMEOUT_S["inference"],
     retries=1,
     retry_delay_seconds=[10],
     retry_condition_fn=retry_transient,

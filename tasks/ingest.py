@@ -7,12 +7,13 @@ from prefect import task
 from captionflow.config import RunConfig
 from captionflow.results import IngestResult
 from captionflow.sources import ingest
+from tasks.policy import TIMEOUT_S, retry_transient
 from tasks.results import record_stage
-from tasks.retry import retry_transient
 
 
 @task(
     name="ingest",
+    timeout_seconds=TIMEOUT_S["ingest"],
     retries=2,
     retry_delay_seconds=[2, 10],
     retry_condition_fn=retry_transient,

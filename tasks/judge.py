@@ -10,8 +10,8 @@ from captionflow.layout import CAPTIONS, SCORES, missing_rows
 from captionflow.pipeline.judge import judge_run_parts, run_judge
 from captionflow.results import InferenceResult, JudgeResult, Manifest, PreflightResult
 from captionflow.storage import Store
+from tasks.policy import TIMEOUT_S, retry_transient
 from tasks.results import record_stage, validated
-from tasks.retry import retry_transient
 
 
 def _parts(inference: InferenceResult, checked: PreflightResult) -> tuple[str, ...]:
@@ -30,6 +30,7 @@ def _missing(cfg: RunConfig, manifest: Manifest, inference: InferenceResult, che
 
 @task(
     name="judge",
+    timeout_seconds=TIMEOUT_S["judge"],
     retries=1,
     retry_delay_seconds=[10],
     retry_condition_fn=retry_transient,

@@ -12,12 +12,13 @@ from prefect import task
 from captionflow.config import RunConfig
 from captionflow.pipeline.pairwise import run_pairwise
 from captionflow.results import InferenceResult, Manifest, PairwiseResult, PreflightResult
+from tasks.policy import TIMEOUT_S, retry_transient
 from tasks.results import record_stage
-from tasks.retry import retry_transient
 
 
 @task(
     name="pairwise",
+    timeout_seconds=TIMEOUT_S["pairwise"],
     retries=1,
     retry_delay_seconds=[10],
     retry_condition_fn=retry_transient,

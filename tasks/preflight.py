@@ -6,9 +6,15 @@ from prefect import task
 
 from captionflow.config import RunConfig
 from captionflow.preflight import PreflightResult, preflight
-from tasks.retry import retry_transient
+from tasks.policy import TIMEOUT_S, retry_transient
 
 
-@task(name="preflight", retries=1, retry_delay_seconds=[5], retry_condition_fn=retry_transient)
+@task(
+    name="preflight",
+    timeout_seconds=TIMEOUT_S["preflight"],
+    retries=1,
+    retry_delay_seconds=[5],
+    retry_condition_fn=retry_transient,
+)
 def preflight_task(cfg: RunConfig) -> PreflightResult:
     return preflight(cfg)

@@ -9,8 +9,8 @@ from captionflow.layout import missing_dataset
 from captionflow.pipeline.preprocess import preprocess
 from captionflow.results import IngestResult, Manifest
 from captionflow.storage import Store
+from tasks.policy import TIMEOUT_S, retry_transient
 from tasks.results import record_stage, validated
-from tasks.retry import retry_transient
 
 
 def _key(ing: IngestResult, cfg: RunConfig) -> str:
@@ -25,6 +25,7 @@ def _missing(ing: IngestResult, cfg: RunConfig):
 
 @task(
     name="preprocess",
+    timeout_seconds=TIMEOUT_S["preprocess"],
     retries=2,
     retry_delay_seconds=[2, 10],
     retry_condition_fn=retry_transient,

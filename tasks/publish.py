@@ -16,7 +16,7 @@ from prefect.logging import get_run_logger
 from captionflow.config import RunConfig
 from captionflow.regression import EVENT, regression
 from captionflow.storage import Store, open_fs
-from tasks.retry import retry_transient
+from tasks.policy import TIMEOUT_S, retry_transient
 
 EXAMPLES = 3
 
@@ -103,20 +103,29 @@ def emit_regression(cfg: RunConfig, summary: dict[str, Any], payload: dict[str, 
     )
 
 
-@task(name="publish", retries=1, retry_delay_seconds=[5], retry_condition_fn=retry_transient)
+@task(
+    name="publish",
+    timeout_seconds=TIMEOUT_S["publish"],
+    retries=1,
+    retry_delay_seconds=[5],
+    retry_condition_fn=retry_transient,
+)
 def publish_task(cfg: RunConfig, summary: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """Publish the run's artifacts; emit ``captionflow.checkpoint.regressed`` when the checkpoint regressed.
-    Returns the regression's payload (None: none)."""
+    """Publish the run's artifacts; emit ``captionflow.checkpoint.regressed`` when the checkpoint regressed
+    and this run evaluated it (not a cached rerun). Returns the regression's payload (None: none)."""
     publish_artifacts(summary)
     found = regression(summary, cfg.regression_threshold)
     if found:
+        again = "evaluate" in summary.get("cached_stages", [])
         get_run_logger().warning(
-            "regression: %s %s is %.1f%% below the best comparable run's (%s, %s)",
+            "regression: %s %s is %.1f%% below the best comparable run's (%s, %s)%s",
             found["metric"],
             found["value"],
             100 * found["relative_drop"],
             found["best_model"],
             found["best_value"],
+            "; evaluation cached: the run that evaluated it emitted the event" if again else "",
         )
-        emit_regression(cfg, summary, found)
+        if not again:  # one event per evaluation: a cached rerun does not alert twice
+            emit_regression(cfg, summary, found)
     return found

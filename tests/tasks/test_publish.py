@@ -132,3 +132,11 @@ def test_no_regression_no_event(prefect_api, tmp_path):
     assert found is None
     assert "run-counts" in _artifacts(run_id)
     assert _regression_events(summary["model_fingerprint"], wait_s=3) == []
+
+
+def test_a_cached_rerun_reports_the_regression_without_alerting_again(prefect_api, tmp_path):
+    summary = _summary(tmp_path, cider_delta=-0.5)
+    summary["cached_stages"] = ["preprocess", "inference", "evaluate"]
+    _, found = _publish(RunConfig(model="step-2000", regression_threshold=0.1), summary)
+    assert found and found["relative_drop"] == 0.5  # still in the summary
+    assert _regression_events(summary["model_fingerprint"], wait_s=5) == []

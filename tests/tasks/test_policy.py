@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from captionflow.errors import DatasetError, EngineFailed, ModelError, RowsFailed
-from tasks.retry import retry_transient
+from tasks.policy import retry_transient
 
 
 class _State:
@@ -49,3 +49,43 @@ def test_transient_faults_are_retried(exc):
 )
 def test_permanent_faults_are_not(exc):
     assert retry_transient(None, None, _State(exc)) is False
+
+
+def test_every_stage_task_has_its_timeout():
+    import importlib
+    import pkgutil
+
+    import tasks
+    from prefect import Task
+
+    from tasks.policy import TIMEOUT_S
+
+    found = {}
+    for mod in pkgutil.iter_modules(tasks.__path__):
+        module = importlib.import_module(f"tasks.{mod.name}")
+        found.update({t.name: t.timeout_seconds for t in vars(module).values() if isinstance(t, Task)})
+    assert found == TIMEOUT_S  # every task named in the table, each with its limit
+
+
+def test_an_attempt_that_times_out_fails_as_timed_out_and_is_not_retried(prefect_api):
+    import time
+
+    from prefect import flow, task
+
+    attempts = []
+
+    @task(timeout_seconds=1, retries=2, retry_delay_seconds=0, retry_condition_fn=retry_transient)
+    def hangs():
+        attempts.append(1)
+        time.sleep(30)
+
+    states = []
+
+    @flow
+    def runs_it():
+        states.append(hangs(return_state=True))
+
+    t0 = time.monotonic()
+    runs_it()
+    assert states[0].name == "TimedOut" and len(attempts) == 1
+    assert time.monotonic() - t0 < 20
