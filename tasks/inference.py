@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from prefect import task
+from prefect.logging import get_run_logger
 
 from captionflow.config import RunConfig
+from captionflow.fingerprint import digest
 from captionflow.layout import CAPTIONS, missing_rows, shard_paths
 from captionflow.pipeline.inference import caption_run_parts, run_inference
 from captionflow.results import InferenceResult, Manifest, PreflightResult
@@ -27,31 +30,75 @@ def _missing(cfg: RunConfig, manifest: Manifest, checked: PreflightResult):
     return missing_rows(store, run, CAPTIONS, store.ids(shard_paths(store, manifest)))
 
 
+ENDED = "attempt ended"  # how an attempt's artifact starts once it is over without finishing
+
+
 class ProgressArtifact:
-    """The ``inference-progress`` Prefect artifact: rows captioned / total, the captioning rate and an ETA
-    from that rate (engine start-up is not in it)."""
+    """The caption run folder's progress artifact (key ``inference-progress-<folder digest>``, so its versions are
+    the attempts on that folder): rows captioned / total as engine batches arrive, how many are committed, the
+    captioning rate and an ETA from that rate (engine start-up is not in it); one log line every
+    ``log_every_s``. An attempt that fails says so on its artifact; one that died without a word (SIGKILL, a lost
+    node) is marked by the next attempt, once that holds the folder's lease (so never while it lives)."""
 
-    def __init__(self, total: int, done: int):
-        from prefect.artifacts import create_progress_artifact
+    def __init__(self, run: tuple[str, ...], log_every_s: float = 30.0):
+        self.key = f"inference-progress-{digest('/'.join(run), 12)}"
+        self.id = None
+        self.last = self.last_log = 0.0
+        self.log_every_s = log_every_s
+        self.state = (0, 0, 1)
 
-        self.id = create_progress_artifact(
-            progress=100.0 * done / max(total, 1), key="inference-progress", description=f"captioned {done}/{total}"
-        )
-        self.last = 0.0
+    def __call__(self, seen: int, committed: int, total: int, rate: float) -> None:
+        from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-    def __call__(self, done: int, total: int, rate: float) -> None:
-        from prefect.artifacts import update_progress_artifact
-
+        self.state = (seen, committed, total)
+        pct = 100.0 * seen / max(total, 1)
+        if self.id is None:
+            self._end_unfinished(committed)
+            self.id = create_progress_artifact(
+                progress=pct, key=self.key, description=f"captioned {seen}/{total} (committed before this attempt)"
+            )
+            return
         now = time.monotonic()
-        if done < total and now - self.last < 1.0:  # at most one API call a second
+        if seen < total and now - self.last < 1.0:  # at most one API call a second
             return
         self.last = now
-        eta = (total - done) / rate if rate > 0 else float("inf")
-        update_progress_artifact(
-            artifact_id=self.id,
-            progress=100.0 * done / max(total, 1),
-            description=f"captioned {done}/{total}, {rate:.2f} rows/s, ETA {eta:.0f} s",
-        )
+        eta = (total - seen) / rate if rate > 0 else float("inf")
+        line = f"captioned {seen}/{total} ({committed} committed), {rate:.2f} rows/s, ETA {eta:.0f} s"
+        update_progress_artifact(artifact_id=self.id, progress=pct, description=line)
+        if now - self.last_log >= self.log_every_s or seen >= total:
+            self.last_log = now
+            get_run_logger().info("inference: %s", line)
+
+    def failed(self, e: BaseException) -> None:
+        """This attempt ends with ``e``: its artifact says where and why."""
+        from prefect.artifacts import update_progress_artifact
+
+        if self.id is None:
+            return
+        seen, committed, total = self.state
+        with contextlib.suppress(Exception):  # the task's own error is the one to report
+            update_progress_artifact(
+                artifact_id=self.id,
+                progress=100.0 * seen / max(total, 1),
+                description=f"{ENDED} at {seen}/{total} ({committed} committed, kept): "
+                f"{type(e).__name__}: {str(e)[:300]}",
+            )
+
+    def _end_unfinished(self, committed: int) -> None:
+        from prefect.artifacts import update_progress_artifact
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+        with get_client(sync_client=True) as client:
+            earlier = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[self.key])))
+        for a in earlier:
+            if float(a.data) < 100 and not (a.description or "").startswith(ENDED):
+                update_progress_artifact(
+                    artifact_id=a.id,
+                    progress=float(a.data),
+                    description=f"{ENDED} without finishing (the process died or lost its lease): "
+                    f"{a.description}; a later attempt resumed from {committed} committed rows",
+                )
 
 
 @task(
@@ -68,8 +115,9 @@ class ProgressArtifact:
 def inference_task(cfg: RunConfig, manifest: Manifest, checked: PreflightResult) -> InferenceResult:
     """Rows that still fail after every pass are counted (the next run's cache check sees them missing and
     tries them again); more than ``max_failure_rate`` of them fails the task and the run."""
-    store = Store(cfg.output)
-    total = manifest.counts.accepted
-    run = caption_run_parts(cfg, manifest, checked.model, checked.engine)
-    done = len(store.ids(store.ls(*run, CAPTIONS, suffix=".parquet")))
-    return run_inference(cfg, manifest, checked.model, checked.engine, ProgressArtifact(total, min(done, total)))
+    progress = ProgressArtifact(caption_run_parts(cfg, manifest, checked.model, checked.engine))
+    try:
+        return run_inference(cfg, manifest, checked.model, checked.engine, progress)
+    except BaseException as e:
+        progress.failed(e)
+        raise

@@ -115,6 +115,8 @@ def run_inference(
         done = ledger.committed()
         resumed_from = len(done & all_ids)
         reused = reuse_captions(store, run, ledger, all_ids - done, done)
+        if progress:  # the folder is ours: an earlier attempt on it that did not finish is over
+            progress(len(done & all_ids), len(done & all_ids), len(all_ids), 0.0)
         if all_ids - done:
             t0 = time.perf_counter()
             local = ray_session(cfg).started_here

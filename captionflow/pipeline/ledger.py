@@ -28,8 +28,10 @@ from captionflow.pipeline.watchdog import Watchdog
 from captionflow.results import PassResult
 from captionflow.storage import Store
 
-# progress(done, total, rows per second since the pass's first result): after every commit
-Progress = Callable[[int, int, float], None]
+# progress(results, committed, total, rows per second since the pass's first result): once when the stage holds
+# its folder (nothing new yet, rate 0), then as each result row arrives (engine batch by engine batch) and after
+# every commit; ``results`` counts the rows done, committed or still in memory.
+Progress = Callable[[int, int, int, float], None]
 
 
 _ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?(\w*(?:Error|Exception|Exit)\w*): (.+)$")
@@ -96,23 +98,28 @@ class Ledger:
         return n
 
     def drain(
-        self, out, done: set, on_commit: Optional[Callable[[int, float], None]] = None
+        self, out, done: set, on_rows: Optional[Callable[[int, int, float], None]] = None
     ) -> tuple[int, int, Optional[float]]:
         """Pull the rows of Ray dataset ``out`` and commit them; ids of committed rows join ``done``.
-        Returns (committed, failed, seconds to the first row); ``on_commit(n, rows/s)`` after each commit."""
+        Returns (committed, failed, seconds to the first row); ``on_rows(results, committed, rows/s)`` as each
+        result row arrives and after each commit."""
         t0 = time.perf_counter()
         ok_rows: list[dict] = []
         failed_rows: list[dict] = []
         first_row_s = t_first = None
         n_ok = 0
 
+        def report() -> None:
+            if on_rows and t_first is not None:
+                seen = n_ok + len(ok_rows)
+                on_rows(seen, n_ok, seen / max(time.perf_counter() - t_first, 1e-9))
+
         def commit() -> None:
             nonlocal n_ok
             ids = [r["image_id"] for r in ok_rows]
             n_ok += self._commit(self.ok_kind, ok_rows)
             done.update(ids)
-            if on_commit and t_first is not None:
-                on_commit(n_ok, n_ok / max(time.perf_counter() - t_first, 1e-9))
+            report()
 
         status = lambda: f"{n_ok + len(ok_rows)} {self.ok_kind} so far in this pass"
         try:
@@ -125,6 +132,8 @@ class Ledger:
                     (failed_rows if row["error"] else ok_rows).append(row)
                     if len(ok_rows) >= self.commit_rows:
                         commit()
+                    elif not row["error"]:
+                        report()
         except CaptionflowError:
             raise
         except Exception as e:  # the pipeline itself failed (an engine that would not start, an actor that died)
@@ -135,9 +144,9 @@ class Ledger:
         return n_ok, n_failed, first_row_s
 
 
-def _reporter(progress: Progress, before: int, total: int) -> Callable[[int, float], None]:
-    """A pass's commits as overall progress: ``before`` rows were done when the pass began."""
-    return lambda n, rate: progress(before + n, total, rate)
+def _reporter(progress: Progress, before: int, total: int) -> Callable[[int, int, float], None]:
+    """A pass's results as overall progress: ``before`` rows were done when the pass began."""
+    return lambda seen, committed, rate: progress(before + seen, before + committed, total, rate)
 
 
 def run_passes(
@@ -157,8 +166,8 @@ def run_passes(
         if not pending:
             break
         t_pass = time.perf_counter()
-        on_commit = _reporter(progress, len(done & todo), len(todo)) if progress else None
-        n_ok, n_failed, first_row_s = ledger.drain(rows_for(attempt, pending), done, on_commit)
+        on_rows = _reporter(progress, len(done & todo), len(todo)) if progress else None
+        n_ok, n_failed, first_row_s = ledger.drain(rows_for(attempt, pending), done, on_rows)
         passes.append(
             PassResult(
                 attempt=attempt,

@@ -70,6 +70,26 @@ def test_sigkill_mid_inference_then_resume_exactly_once(prefect_api, tmp_path):
     assert len(ids) == len(set(ids)) == s["counts"]["accepted"] == s["counts"]["captioned"]
     shard_ids = pq.read_table(f"{s['dataset_dir']}/shards").column("image_id").to_pylist()
     assert set(ids) == set(shard_ids)
+    # the UI: the killed attempt's progress is marked as over, the resumed one's reached 100%
+    attempts = _progress_attempts(s["flow_run_id"])
+    assert len(attempts) == 2, attempts
+    killed, resumed = sorted(attempts, key=lambda a: a.created)
+    assert killed.description.startswith("attempt ended without finishing") and float(killed.data) < 100
+    assert f"resumed from {len(committed)} committed rows" in killed.description
+    assert float(resumed.data) == 100 and not resumed.description.startswith("attempt ended")
+
+
+def _progress_attempts(flow_run_id: str) -> list:
+    """Every version of the inference progress artifact of the folder that flow run captioned."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        mine = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+        key = next(a.key for a in mine if (a.key or "").startswith("inference-progress-"))
+        return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
 
 
 def test_failed_rows_recorded_then_retried_on_s3(prefect_api, s3_bucket, monkeypatch, tmp_path):

@@ -55,9 +55,9 @@ def test_every_stage_task_has_its_timeout():
     import importlib
     import pkgutil
 
-    import tasks
     from prefect import Task
 
+    import tasks
     from tasks.policy import TIMEOUT_S
 
     found = {}

@@ -40,12 +40,12 @@ def test_rows_are_committed_in_bounded_shards_and_failures_apart(tmp_path):
     done: set[str] = set()
     commits = []
     rows = [_row(f"id{i}", 0) for i in range(7)] + [_row("bad", 0, "engine said no")]
-    n_ok, n_failed, first = ledger.drain(Rows(rows), done, on_commit=lambda n, rate: commits.append(n))
+    n_ok, n_failed, first = ledger.drain(Rows(rows), done, on_rows=lambda seen, n, rate: commits.append(n))
     assert (n_ok, n_failed) == (7, 1) and first is not None
     assert done == {f"id{i}" for i in range(7)}
     shards = store.ls("run", CAPTIONS, suffix=".parquet")
     assert [pq.read_metadata(store.path("run", CAPTIONS, s.rsplit("/", 1)[-1])).num_rows for s in shards] == [3, 3, 1]
-    assert commits == [3, 6, 7]
+    assert sorted(set(commits)) == [0, 3, 6, 7]  # committed counts as rows arrive: 0 before the first commit
     assert ledger.committed() == done
     failed = store.read_tables(store.ls("run", FAILURES, suffix=".parquet")).to_pylist()
     assert [(r["image_id"], r["error"]) for r in failed] == [("bad", "engine said no")]
@@ -70,12 +70,14 @@ def test_failed_rows_are_retried_in_later_passes_never_counted_done(tmp_path):
         done,
         row_retries=2,
         rows_for=rows_for,
-        progress=lambda d, total, rate: progress.append((d, total)),
+        progress=lambda seen, committed, total, rate: progress.append((seen, committed, total)),
     )
     assert sent == [["b", "c", "d"], ["c"]]  # never "a"; the third pass is not needed
     assert [(p.attempt, p.sent, p.ok, p.failed) for p in passes] == [(0, 3, 2, 1), (1, 1, 1, 0)]
     assert done == todo
-    assert progress[-1] == (4, 4) and all(total == 4 for _, total in progress)
+    assert progress[-1] == (4, 4, 4) and all(total == 4 for *_, total in progress)
+    assert (2, 1, 4) in progress  # "b" arrived (committed with the next row): reported before its commit
+    assert all(committed <= seen for seen, committed, _ in progress)
     ids = store.read_tables(store.ls("run", CAPTIONS, suffix=".parquet")).column("image_id").to_pylist()
     assert sorted(ids) == ["b", "c", "d"]  # each once
 
