@@ -22,6 +22,7 @@ from typing import Optional
 
 from captionflow.fingerprint import digest
 from captionflow.layout import RESULTS_CACHE
+from captionflow.pipeline import run_log
 from captionflow.results import StageRecord
 from captionflow.storage import Store, storage_options
 
@@ -70,18 +71,33 @@ _STAGE_LOG: contextvars.ContextVar[Optional[StageLog]] = contextvars.ContextVar(
 @contextlib.contextmanager
 def stage_results(output: str) -> Iterator[StageLog]:
     """Inside a flow run: persist the results of the stage tasks called in this block under ``output``,
-    and record how each ended."""
+    record how each ended, and forward the engines' and Ray's key lines to the run's log (``run_log``)."""
     from prefect.context import FlowRunContext
+    from prefect.logging import get_run_logger
 
     ctx = FlowRunContext.get()
     stages = StageLog()
     token = _STAGE_LOG.set(stages)
     store = ctx.result_store.model_copy(update={"result_storage": result_storage(output)})
     try:
-        with ctx.model_copy(update={"result_store": store}):
+        run_logger = get_run_logger()
+        with ctx.model_copy(update={"result_store": store}), run_log.forward_to(run_logger, api_only(run_logger)):
             yield stages
     finally:
         _STAGE_LOG.reset(token)
+
+
+def api_only(run_logger: logging.LoggerAdapter) -> logging.LoggerAdapter:
+    """``run_logger``'s flow run, through a logger that sends to the Prefect API and prints nothing: for
+    records that this process's console handlers print already."""
+    from prefect.logging.handlers import APILogHandler
+
+    logger = logging.getLogger("prefect.captionflow")
+    if not any(isinstance(h, APILogHandler) for h in logger.handlers):
+        logger.addHandler(APILogHandler())
+        logger.propagate = False
+        logger.setLevel(logging.INFO)
+    return logging.LoggerAdapter(logger, dict(run_logger.extra))
 
 
 def record_stage(task, task_run, state) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import warnings
 from collections.abc import Iterator
 
 import pyarrow as pa
@@ -253,19 +254,29 @@ def _decode_stream(ing: IngestResult, items: pa.Table, item_params: dict, worker
         # An actor pool, one actor per core, each sent its next block while it works on the current
         # one: plain tasks left each core idle ~0.17 s between one task and the next (the driver has
         # to see the end of one before it sends the next), ~10% of the stage on 2 cores.
-        return (ray.data.from_blocks(blocks) if blocks else ray.data.from_items([])).map_batches(
-            ItemProcessor,
-            batch_size=None,
-            batch_format="pyarrow",
-            zero_copy_batch=True,
-            num_cpus=per_task,
-            fn_constructor_kwargs=item_params,
-            max_restarts=-1,
-            max_task_retries=MAX_BLOCK_RETRIES,
-            compute=ray.data.ActorPoolStrategy(size=max(1, min(workers, len(blocks))), max_tasks_in_flight_per_actor=2),
-        )
+        # Ray 2.60 has no named parameter for an actor's max_restarts / max_task_retries yet: the
+        # ray_remote_args deprecation it warns of has no replacement to move to, so it is silenced here only.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+            return _item_actors(blocks, item_params, per_task, workers)
     finally:
         ctx.execution_options.preserve_order, ctx.max_errored_blocks = saved
+
+
+def _item_actors(blocks: list, item_params: dict, per_task: float, workers: int):
+    import ray
+
+    return (ray.data.from_blocks(blocks) if blocks else ray.data.from_items([])).map_batches(
+        ItemProcessor,
+        batch_size=None,
+        batch_format="pyarrow",
+        zero_copy_batch=True,
+        num_cpus=per_task,
+        fn_constructor_kwargs=item_params,
+        max_restarts=-1,
+        max_task_retries=MAX_BLOCK_RETRIES,
+        compute=ray.data.ActorPoolStrategy(size=max(1, min(workers, len(blocks))), max_tasks_in_flight_per_actor=2),
+    )
 
 
 def _second_chance(

@@ -24,6 +24,7 @@ from typing import Optional
 
 from captionflow.compat import vllm_warmup
 from captionflow.config import RunConfig
+from captionflow.pipeline import run_log
 from captionflow.pipeline.device import local_gpus
 from captionflow.pipeline.presets import PRESETS, Preset, local_ray_cpus
 
@@ -110,6 +111,7 @@ def ray_session(cfg: RunConfig) -> RaySession:
     _SESSION.clear()
     address = cluster_address(cfg)
     if ray.is_initialized():
+        run_log.take_worker_output(replace_printing=False)
         _SESSION.append(RaySession(address=address, started_here=False))
         return _SESSION[0]
     for k, v in WORKER_ENV.items():
@@ -118,7 +120,11 @@ def ray_session(cfg: RunConfig) -> RaySession:
     # Ray does not run a setup hook given to a single actor's runtime_env.
     hook = {"worker_process_setup_hook": vllm_warmup.SETUP_HOOK}
     if address:
-        ray.init(address=address, runtime_env={"env_vars": WORKER_ENV, **hook}, log_to_driver=False)
+        # worker output streams to this process for run_log (it forwards the key lines, prints none of it)
+        client = address.startswith("ray://")
+        ray.init(address=address, runtime_env={"env_vars": WORKER_ENV, **hook}, log_to_driver=not client)
+        if not client:
+            run_log.take_worker_output(replace_printing=True)
         _SESSION.append(RaySession(address=address, started_here=False))
         return _SESSION[0]
     if cfg.metrics_port is None:
@@ -143,7 +149,8 @@ def ray_session(cfg: RunConfig) -> RaySession:
         include_dashboard=False,
         _metrics_export_port=cfg.metrics_port,
         runtime_env=hook if hint.engine_gpus else None,
-        log_to_driver=False,
+        log_to_driver=True,
     )
+    run_log.take_worker_output(replace_printing=True)
     _SESSION.append(RaySession(address=None, started_here=True))
     return _SESSION[0]

@@ -228,3 +228,20 @@ def test_flow_runs_recorded_by_prefect_api(demo_run):
     fully = [st for st in reused if st.get("preprocess") == "Cached" and st.get("evaluate") == "Cached"]
     assert fully, reused  # the plain rerun: every stage after the listing came from the cache
     assert fully[0]["ingest"] == "Completed"  # the listing always runs
+
+
+def test_the_engines_key_lines_reach_the_run_log(demo_run):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    _, s, _ = demo_run
+    APILogWorker.drain_all()
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[s["flow_run_id"]])))
+    text = [log.message for log in logs]
+    ready = [m for m in text if "init engine (profile, create kv cache, warmup model) took" in m]
+    assert ready, text  # forwarded from the vLLM engine's worker process
+    assert not any("[core.py:" in m for m in ready)  # vLLM's own prefix dropped
+    assert any(m.startswith("inference: captioned ") and "rows/s" in m for m in text), text
+    assert len(text) < 200  # key lines, not the engine's whole output

@@ -1,0 +1,66 @@
+"""Which worker lines reach the run's log, and how they are forwarded (a real Ray worker's output in the demo
+flow test; here the dispatcher's batches as Ray hands them over)."""
+
+from __future__ import annotations
+
+import logging
+
+from captionflow.pipeline import run_log
+
+
+class Sink:
+    def __init__(self):
+        self.records: list[tuple[int, str]] = []
+
+    def log(self, level, msg, *args):
+        self.records.append((level, msg % args))
+
+
+ENGINE_OUTPUT = [
+    "(EngineCore_DP0 pid=4242) INFO 11-25 07:00:01 [core.py:369] init engine (profile, create kv cache, "
+    "warmup model) took 3.21 s",
+    "INFO 11-25 07:00:00 [default_loader.py:291] Loading weights took 0.10 seconds",
+    "INFO 11-25 07:00:00 [gpu_model_runner.py:5472] Model loading took 6.2 GiB memory and 4.5 seconds",
+    "INFO 11-25 07:00:05 [loggers.py:263] Engine 000: Avg prompt throughput: 812.3 tokens/s, Avg generation "
+    "throughput: 410.0 tokens/s",
+    "WARNING 11-25 07:00:00 [utils.py:12] some chatty warning about a default",
+    "INFO 11-25 07:00:00 [parallel_state.py:1] world_size=1 rank=0",
+    "captionflow 07:00:02: AsyncLLM accepting requests 1764054002.123",
+    "ERROR 11-25 07:00:09 [core.py:900] EngineCore encountered a fatal error.",
+    "RuntimeError: CUDA error: an illegal memory access was encountered",
+]
+
+
+def test_only_the_key_lines_are_forwarded_without_vllm_prefixes():
+    sink = Sink()
+    with run_log.forward_to(sink):
+        run_log._on_worker_lines({"pid": 4242, "actor_name": "MapWorker(vLLMEngineStageUDF)", "lines": ENGINE_OUTPUT})
+    texts = [t for _, t in sink.records]
+    assert len(texts) == 6, texts  # not the chatty warning, not world_size, not "Loading weights"
+    assert texts[0] == (
+        "MapWorker(vLLMEngineStageUDF) (pid 4242): init engine (profile, create kv cache, warmup model) took 3.21 s"
+    )
+    assert any("Avg generation throughput" in t for t in texts)
+    assert any("accepting requests" in t for t in texts)
+    errors = [t for level, t in sink.records if level == logging.ERROR]
+    assert [e.split(": ", 1)[1] for e in errors] == [
+        "EngineCore encountered a fatal error.",
+        "RuntimeError: CUDA error: an illegal memory access was encountered",
+    ]
+
+
+def test_nothing_is_forwarded_outside_a_run_and_driver_loggers_only_inside():
+    sink, lines = Sink(), Sink()
+    run_log._on_worker_lines({"pid": 1, "lines": ENGINE_OUTPUT})  # no sink: dropped
+    logging.getLogger("ray.data").warning("The job may hang forever unless the cluster scales up.")
+    with run_log.forward_to(lines, sink):
+        logging.getLogger("ray.data").warning("The job may hang forever unless the cluster scales up.")
+        logging.getLogger("ray.data").info("Execution plan: ...")  # below WARNING: not forwarded
+        logging.getLogger("captionflow.watchdog").warning("inference: 0 of 40 rows; Ray: 0 of 1 GPU free")
+    logging.getLogger("captionflow.watchdog").warning("after the run")
+    assert sink.records == [
+        (logging.WARNING, "ray.data: The job may hang forever unless the cluster scales up."),
+        (logging.WARNING, "captionflow.watchdog: inference: 0 of 40 rows; Ray: 0 of 1 GPU free"),
+    ]
+    assert run_log._RAY_DATA not in logging.getLogger("ray.data").handlers
+    assert lines.records == []  # driver records go to their own sink
