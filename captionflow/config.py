@@ -280,6 +280,61 @@ class RunConfig(BaseModel):
         }
 
 
+# The fields by what they are about, in the order the Prefect form, ``--help`` and docs/parameters.md show them.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "Data": (
+        "dataset",
+        "output",
+        "image_column",
+        "caption_column",
+        "slice_column",
+        "allow_external_paths",
+        "max_input_pixels",
+        "max_input_mb",
+        "decode_timeout_s",
+        "max_image_side",
+        "force_preprocess",
+        "shard_rows",
+        "shard_mb",
+    ),
+    "Model": ("model", "max_pixels"),
+    "Generation": ("system_prompt", "prompt", "max_tokens", "temperature", "top_p", "seed", "ignore_eos"),
+    "Evaluation": (
+        "judge",
+        "judge_model",
+        "pairwise_against",
+        "clip_model",
+        "coco_java",
+        "bootstrap_resamples",
+        "report_images",
+        "regression_threshold",
+    ),
+    "Engine": (
+        "device",
+        "batch_size",
+        "concurrency",
+        "engines_per_gpu",
+        "gpu_memory_gib",
+        "cuda_mps",
+        "max_concurrent_batches",
+        "max_num_seqs",
+        "max_model_len",
+        "tensor_parallel_size",
+        "accelerator_type",
+        "engine_kwargs",
+        "warm_engines",
+        "compile_cache_dir",
+    ),
+    "Cluster": ("ray_address", "metrics_port", "ray_num_cpus", "placement_wait_s"),
+    "Reliability": ("row_retries", "commit_rows", "max_failure_rate", "lease_wait_s", "stall_timeout_s"),
+}
+
+
+def grouped_fields() -> list[tuple[str, str, Any]]:
+    """(group, field name, pydantic FieldInfo) of every RunConfig field, group by group."""
+    return [(g, name, RunConfig.model_fields[name]) for g, names in GROUPS.items() for name in names]
+
+
 def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> RunConfig:
     """Build a RunConfig from an optional YAML file, then explicit overrides (None values ignored)."""
     data: dict[str, Any] = {}

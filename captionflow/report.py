@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
+from typing import Optional
 
 import pyarrow as pa
 
@@ -19,6 +20,13 @@ ROWS = "leaderboard"  # one JSON file per (dataset, model, generation): each run
 
 def _row_name(row: dict) -> str:
     return f"{row['dataset_fingerprint']}-{row['model_fingerprint']}-{row['generation_fingerprint']}.json"
+
+
+def evaluated_as(store: Store, run_dir: str, model: str) -> Optional[str]:
+    """The name under which the leaderboard holds ``run_dir``'s row when it is not ``model``: the same weights
+    (one content fingerprint) evaluated before under another path or name. None: no row, or the same name."""
+    row = next((r for r in read_leaderboard(store) if r["run_dir"] == run_dir), None)
+    return row["model"] if row and row["model"] != model else None
 
 
 def read_leaderboard(store: Store) -> list[dict]:

@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from captionflow.config import RunConfig  # noqa: E402
+from captionflow.config import GROUPS, RunConfig, grouped_fields  # noqa: E402
 from captionflow.pipeline.presets import PRESETS  # noqa: E402
 from captionflow.workers.images import REASONS  # noqa: E402
 
@@ -48,13 +48,17 @@ def render_parameters() -> str:
         "Every parameter is a command-line option (`--max-tokens 48`), a key of a YAML file (`--config run.yaml`;",
         "command-line options win) and a parameter of the flow (a field of the Prefect UI's run form).",
         "",
-        "| parameter | type | default | meaning |",
-        "|---|---|---|---|",
     ]
-    for name, field in RunConfig.model_fields.items():
+    group = None
+    for g, name, field in grouped_fields():
+        if g != group:
+            group = g
+            lines += [f"## {g}", "", "| parameter | type | default | meaning |", "|---|---|---|---|"]
         meaning = (field.title or name) + (f": {field.description}" if field.description else "")
         meaning = meaning.replace("|", "\\|").replace("\n", " ")
         lines.append(f"| `{name}` | {_type(field.annotation)} | {_default(name, field)} | {meaning} |")
+        if name == GROUPS[g][-1]:
+            lines.append("")
     return "\n".join(lines) + "\n"
 
 

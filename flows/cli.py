@@ -6,32 +6,38 @@ import argparse
 import json
 import os
 import sys
+import types
 import typing
 from pathlib import Path
 
-from captionflow.config import RunConfig, load_config
+from captionflow.config import RunConfig, grouped_fields, load_config
 from deployments.deploy import POOL_TYPES
 
 
 def _add_config_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One option per RunConfig field (--max-tokens, ...), help text from the field's description."""
-    for name, field in RunConfig.model_fields.items():
+    """One option per RunConfig field (--max-tokens, ...), help text from the field's description, in an
+    argument group per ``config.GROUPS`` entry."""
+    groups: dict[str, typing.Any] = {}
+    for group, name, field in grouped_fields():
         if name in skip:
             continue
+        if group not in groups:
+            groups[group] = p.add_argument_group(f"{group.lower()} options")
+        add = groups[group].add_argument
         flag = "--" + name.replace("_", "-")
         help_ = (field.title or name) + (f": {field.description}" if field.description else "")
         help_ = help_.replace("%", "%%")  # argparse formats help with %: "90% of the GPU" broke --help
         ann = field.annotation
-        args = typing.get_args(ann)
-        base = next((a for a in args if a is not type(None)), ann) if args else ann
+        union = typing.get_origin(ann) in (typing.Union, types.UnionType)
+        base = next(a for a in typing.get_args(ann) if a is not type(None)) if union else ann  # Optional[X] -> X
         if base is bool:
-            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+            add(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif typing.get_origin(base) is typing.Literal:
-            p.add_argument(flag, dest=name, choices=typing.get_args(base), default=None, help=help_)
+            add(flag, dest=name, choices=typing.get_args(base), default=None, help=help_)
         elif name == "engine_kwargs":
-            p.add_argument(flag, dest=name, type=_json_object, default=None, help=help_ + " (JSON object)")
+            add(flag, dest=name, type=_json_object, default=None, help=help_ + " (JSON object)")
         else:
-            p.add_argument(
+            add(
                 flag,
                 dest=name,
                 type=base if base in (int, float) else str,

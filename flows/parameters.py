@@ -5,7 +5,7 @@ Prefect merges a run's parameters with its deployment's *per top-level parameter
 config (the deployment's dataset, model and output were lost). With one parameter per field, a run that
 sets ``max_tokens`` keeps every other deployment default. ``RunConfig`` stays the one typed source: the
 flow's signature, the UI form (title, description, type, default of each field, in RunConfig's order), the
-CLI options and the YAML keys all come from it.
+CLI options and the YAML keys all come from it, grouped by ``config.GROUPS``.
 """
 
 from __future__ import annotations
@@ -18,18 +18,19 @@ from typing import Any
 from pydantic import Field
 from pydantic.fields import FieldInfo
 
-from captionflow.config import RunConfig
+from captionflow.config import RunConfig, grouped_fields
 
 
 def config_parameters() -> list[inspect.Parameter]:
-    """A keyword parameter per RunConfig field, with its type, default, title and description."""
+    """A keyword parameter per RunConfig field, with its type, default, title and description, group by group
+    (``config.GROUPS``: the form lists Data, Model, Generation, ... each description led by its group)."""
     params = []
-    for name, field in RunConfig.model_fields.items():
+    for group, name, field in grouped_fields():
         title = field.title or name.replace("_", " ").capitalize()
         # Prefect takes a parameter's description from a pydantic Field default (and titles it by its name)
         default = Field(
             default=field.get_default(call_default_factory=True),
-            description=f"{title}: {field.description}" if field.description else title,
+            description=f"{group} · {title}: {field.description}" if field.description else f"{group} · {title}",
         )
         params.append(
             inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=field.annotation)

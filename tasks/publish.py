@@ -15,6 +15,7 @@ from prefect.logging import get_run_logger
 
 from captionflow.config import RunConfig
 from captionflow.regression import EVENT, regression
+from captionflow.report import evaluated_as
 from captionflow.storage import Store, open_fs
 from tasks.policy import TIMEOUT_S, retry_transient
 
@@ -114,6 +115,16 @@ def publish_task(cfg: RunConfig, summary: dict[str, Any]) -> Optional[dict[str, 
     """Publish the run's artifacts; emit ``captionflow.checkpoint.regressed`` when the checkpoint regressed
     and this run evaluated it (not a cached rerun). Returns the regression's payload (None: none)."""
     publish_artifacts(summary)
+    same = evaluated_as(Store(cfg.output), summary["run_dir"], cfg.model)
+    if same:
+        get_run_logger().warning(
+            "%s holds the same weights as %s (content fingerprint %s): its results are that evaluation's, "
+            "and the leaderboard keeps one row per content, named %s",
+            cfg.model,
+            same,
+            summary.get("model_fingerprint"),
+            same,
+        )
     found = regression(summary, cfg.regression_threshold)
     if found:
         again = "evaluate" in summary.get("cached_stages", [])

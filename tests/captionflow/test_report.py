@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from captionflow.layout import LEADERBOARD
-from captionflow.report import read_leaderboard, render_report, update_leaderboard
+from captionflow.report import evaluated_as, read_leaderboard, render_report, update_leaderboard
 from captionflow.results import Counts, InferenceResult, Manifest
 from captionflow.storage import Store
 
@@ -30,6 +30,15 @@ def test_leaderboard_upserts_and_compares_with_previous_and_best(tmp_path):
     assert sorted((r["model"], r["cider"]) for r in rows) == [("ckpt-1", 0.5), ("ckpt-2", 0.7)]
     other = update_leaderboard(store, "other-ds", run("m3"), "ckpt-3", _metrics(0.1))
     assert other["previous"] is None and other["runs_on_dataset"] == 1  # never across datasets
+
+
+def test_a_copied_checkpoint_is_named_as_the_row_it_shares(tmp_path):
+    store = Store(str(tmp_path))
+    run = ("runs", "ds", "m1", "gen")
+    assert evaluated_as(store, store.url(*run), "ckpt-1") is None  # no row yet
+    update_leaderboard(store, "ds", run, "/ckpts/step-1000", _metrics(0.5))
+    assert evaluated_as(store, store.url(*run), "/ckpts/step-1000") is None  # the same name
+    assert evaluated_as(store, store.url(*run), "/copies/step-1000") == "/ckpts/step-1000"
 
 
 def test_comparisons_never_cross_generation_settings_and_a_missing_judge_keeps_its_score(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from captionflow.config import RunConfig
+from captionflow.config import RunConfig, grouped_fields
 
 
 def _flush_events():
@@ -31,6 +31,10 @@ def test_deploy_creates_schedule_trigger_and_typed_form(prefect_api, tmp_path):
         assert set(props) == set(RunConfig.model_fields)  # one parameter per field, each described
         assert all(p.get("description") for p in props.values())
         assert "hub id" in props["model"]["description"] and props["device"]["enum"] == ["auto", "cpu", "gpu"]
+        # the form is grouped: fields in GROUPS order, each description led by its group
+        in_form = sorted(props, key=lambda k: props[k]["position"])
+        assert in_form == [name for _, name, _ in grouped_fields()]
+        assert all(props[name]["description"].startswith(f"{g} · ") for g, name, _ in grouped_fields())
         on_ckpt = client.read_deployment(ids["on-checkpoint"])
         automations = client.read_resource_related_automations(f"prefect.deployment.{on_ckpt.id}")
         assert len(automations) == 1

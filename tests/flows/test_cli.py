@@ -107,6 +107,23 @@ def test_version_and_json_option_errors_say_what(capsys):
     with pytest.raises(SystemExit) as e:
         main(["run", "--engine-kwargs", "[1, 2]"])
     assert e.value.code == 2 and "expected a JSON object" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--device", "tpu"])
+    assert e.value.code == 2 and "choose from 'auto', 'cpu', 'gpu'" in capsys.readouterr().err
+
+
+def test_every_field_is_in_one_group_and_help_is_grouped(capsys):
+    from captionflow.config import GROUPS, RunConfig
+    from flows.cli import main
+
+    named = [name for names in GROUPS.values() for name in names]
+    assert sorted(named) == sorted(RunConfig.model_fields)  # each field once
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = capsys.readouterr().out
+    heads = [out.index(f"\n{g.lower()} options:") for g in GROUPS]
+    assert heads == sorted(heads)
+    assert heads[2] < out.index("  --max-tokens") < heads[3]  # under "generation options"
 
 
 def _board(tmp_path):
