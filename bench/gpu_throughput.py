@@ -376,7 +376,8 @@ def phase_raw(a: argparse.Namespace) -> dict:
 def _run_config(a: argparse.Namespace, output: str):
     from captionflow.config import RunConfig
 
-    extra = {**json.loads(a.pipeline_config), **({"engines_per_gpu": a.engines_per_gpu} if a.engines_per_gpu else {})}
+    layout = {"engines_per_gpu": a.engines_per_gpu, "front_ends": a.front_ends}
+    extra = {**json.loads(a.pipeline_config), **{k: v for k, v in layout.items() if v}}
     return RunConfig(
         dataset=a.images,
         output=output,
@@ -436,6 +437,7 @@ def phase_stage(a: argparse.Namespace) -> dict:
             "output_tokens": out_tok,
             "engines": engine.concurrency,
             "engines_per_gpu": engine.engines_per_gpu,
+            "front_ends": engine.front_ends,
             "engine_kwargs": engine.engine_kwargs,
             "cuda_mps": engine.mps,
         }
@@ -481,6 +483,8 @@ def flow_command(a: argparse.Namespace, images: str, out: Path, model: str, summ
     ]
     if a.engines_per_gpu:
         cmd += ["--engines-per-gpu", str(a.engines_per_gpu)]
+    if a.front_ends:
+        cmd += ["--front-ends", str(a.front_ends)]
     if json.loads(a.pipeline_config):  # a YAML config file (JSON is YAML); the options above win
         extra = Path(a.work) / "flow-config.yaml"
         extra.write_text(a.pipeline_config)
@@ -693,6 +697,8 @@ def run_phase(name: str, a: argparse.Namespace, sampler: GpuSampler) -> dict:
     ]
     if a.engines_per_gpu:
         cmd += ["--engines-per-gpu", str(a.engines_per_gpu)]
+    if a.front_ends:
+        cmd += ["--front-ends", str(a.front_ends)]
     t0 = time.time()
     log = Path(a.work) / f"phase-{name}.log"
     try:
@@ -739,7 +745,8 @@ def main() -> int:
         "of the host's raw baseline; 200704 = 448x448, the GPU preset's own budget)",
     )
     ap.add_argument("--max-image-side", type=int, default=640, help="preprocess bound (B, C); 640 keeps 640x480")
-    ap.add_argument("--engines-per-gpu", type=int, help="default: the GPU preset's sizing")
+    ap.add_argument("--engines-per-gpu", type=int, help="whole engines per GPU (default: one)")
+    ap.add_argument("--front-ends", type=int, help="front ends per engine core (default: the GPU preset's sizing)")
     ap.add_argument("--engine-kwargs", default="{}", help="extra vLLM kwargs (JSON), all phases")
     ap.add_argument(
         "--pipeline-config",
@@ -791,6 +798,7 @@ def main() -> int:
             "engine_kwargs": json.loads(a.engine_kwargs),
             "pipeline_config": json.loads(a.pipeline_config),
             "engines_per_gpu": a.engines_per_gpu,
+            "front_ends": a.front_ends,
             "cuda_mps": a.cuda_mps,
         },
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -98,8 +98,8 @@ class RunConfig(BaseModel):
         None,
         ge=1,
         title="Engine replicas",
-        description="Default: on GPU, every GPU of the Ray cluster (divided by tensor_parallel_size) times "
-        "engines_per_gpu; on CPU, 1.",
+        description="Engine-stage actors. Default: on GPU, every GPU of the Ray cluster (divided by "
+        "tensor_parallel_size) times engines_per_gpu (or front_ends); on CPU, front_ends.",
     )
     engines_per_gpu: Optional[int] = Field(
         None,
@@ -108,6 +108,15 @@ class RunConfig(BaseModel):
         title="Engine replicas per GPU",
         description="Default: as many as fit in 90% of the GPU's memory (weights + fixed KV cache + overhead), "
         "at most the GPU preset's 4. More engines spread image processing over more processes.",
+    )
+    front_ends: Optional[int] = Field(
+        None,
+        ge=1,
+        le=16,
+        title="Front ends per engine",
+        description="Processes that prepare requests (image processing, tokenising) for one vLLM engine core "
+        "per GPU: Ray Data LLM engine-stage actors that share the engine (instead of engines_per_gpu whole "
+        "engines). Default 1: each actor has its own engine (docs/sizing.md).",
     )
     gpu_memory_gib: Optional[float] = Field(
         None,
@@ -314,6 +323,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "batch_size",
         "concurrency",
         "engines_per_gpu",
+        "front_ends",
         "gpu_memory_gib",
         "cuda_mps",
         "max_concurrent_batches",

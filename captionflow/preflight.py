@@ -185,9 +185,9 @@ def resolve_device(cfg: RunConfig) -> tuple[str, int, bool]:
 
 def engine_demand(engine: EngineSettings) -> dict[str, float]:
     preset = engine.preset
-    per_engine_gpu = engine.gpu_share if preset.engine_gpus else 0.0
-    gpus = engine.concurrency * per_engine_gpu * engine.tensor_parallel_size if preset.engine_gpus else 0.0
-    return {"CPU": engine.concurrency * preset.engine_cpus, "GPU": gpus}
+    per_actor_gpu = engine.gpu_share if preset.engine_gpus else 0.0
+    gpus = engine.concurrency * per_actor_gpu * engine.tensor_parallel_size if preset.engine_gpus else 0.0
+    return {"CPU": engine.concurrency * engine.actor_cpus, "GPU": gpus}
 
 
 def check_placement(cfg: RunConfig, engine: EngineSettings, local: bool) -> None:

@@ -3,11 +3,14 @@
 Every LLM stage (captioning, judging) builds its vLLM engines from one ``EngineSettings``; nothing
 downstream reads ``cfg.x or preset.x`` again.
 
-Engines per GPU (GPU preset). One vLLM engine does its multimodal input processing in one Python
-process; the GPU preset runs ``engines_per_gpu`` replicas per GPU (each a Ray actor holding ``1/k`` of
-the GPU, a fixed KV cache and ``gpu_memory_utilization`` 0.9/k, under CUDA MPS when captionflow
-started Ray itself) so that k front ends feed the GPU. k = as many as fit in 90% of the GPU's memory
-at (weights + fixed KV cache + overhead) each, at most the preset's ``max_engines_per_gpu``.
+Layouts (GPU preset). Engines per GPU: one vLLM engine does its multimodal input processing in one Python
+process; the GPU preset runs ``engines_per_gpu`` replicas per GPU (each a Ray actor holding ``1/k`` of the
+GPU, a fixed KV cache and ``gpu_memory_utilization`` 0.9/k, under CUDA MPS when captionflow started Ray
+itself) so that k front ends feed the GPU. k = as many as fit in 90% of the GPU's memory at (weights + fixed
+KV cache + overhead) each, at most the preset's ``max_engines_per_gpu``. Front ends (``front_ends`` > 1):
+one engine core per GPU with the GPU's memory, fed by that many Ray Data LLM engine-stage actors, each holding
+``1/front_ends`` of the GPU in Ray's books so that Ray places that many on each GPU
+(``pipeline/shared_core.py``); the core reads the weights once per step for all of them.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ class EngineSettings:
     preset: Preset
     batch_size: int  # rows per Ray Data batch
     max_concurrent_batches: int  # batches in flight per engine replica
-    concurrency: int  # engine replicas
+    concurrency: int  # engine-stage actors (engines x front ends)
     engines_per_gpu: int
-    gpu_share: float  # of one GPU per replica (0 on CPU)
+    gpu_share: float  # of one GPU per engine-stage actor (0 on CPU)
     max_pixels: int  # the image processor's pixel budget
     engine_kwargs: dict[str, Any]  # what vLLM gets, final
     mps: str = "off"  # CUDA MPS for engines sharing a GPU: the cuda_mps mode, "off" where not wanted
@@ -44,20 +47,29 @@ class EngineSettings:
     # engine_kwargs as one engine alone on its GPU would have them (None: this is one alone already)
     solo_engine_kwargs: dict[str, Any] | None = None
     engine_metrics: bool = False  # vLLM engine metrics exported through Ray's Prometheus endpoint
+    front_ends: int = 1  # engine-stage actors sharing one engine core (shared_core.py); 1: each its own engine
 
     def single_engine(self) -> EngineSettings:
-        """These settings for one engine per GPU (the warm service: one long-lived replica that owns its GPUs)."""
-        if self.solo_engine_kwargs is None:
+        """These settings for one engine per GPU with its own front end (the warm service: one long-lived
+        replica that owns its GPUs)."""
+        if self.solo_engine_kwargs is None and self.front_ends == 1:
             return self
         return replace(
             self,
             engines_per_gpu=1,
+            front_ends=1,
             gpu_share=1.0,
-            concurrency=max(1, round(self.concurrency / self.engines_per_gpu)),
+            concurrency=max(1, round(self.concurrency / self.engines_per_gpu / self.front_ends)),
             mps="off",
-            engine_kwargs=copy.deepcopy(self.solo_engine_kwargs),
+            engine_kwargs=copy.deepcopy(self.solo_engine_kwargs or self.engine_kwargs),
             solo_engine_kwargs=None,
         )
+
+    @property
+    def actor_cpus(self) -> float:
+        """Logical CPUs of each engine-stage actor (an engine, or one front end of a shared engine core: a front
+        end does the request work of a whole engine, so it gets an engine's CPUs and image threads)."""
+        return self.preset.engine_cpus
 
     @property
     def compile_dir(self) -> str:
@@ -103,17 +115,20 @@ def resolve_engine(
     """``gpus``: GPUs of the Ray cluster; ``local_ray``: captionflow started that Ray (its GPUs are this
     machine's, so CUDA MPS can be started here)."""
     max_pixels = cfg.max_pixels or preset.max_pixels
-    renderer = preset.renderer_workers or renderer_workers(gpus, local_ray)
-    k, share, concurrency = 1, 0.0, cfg.concurrency or preset.concurrency
-    layout_kwargs: dict[str, Any] = {}
-    mps = "off"
+    k, share, layout_kwargs, mps = 1, 0.0, {}, "off"
+    front_ends = 1 if cfg.tensor_parallel_size > 1 else (cfg.front_ends or 1)  # a TP engine: Ray's executor
     if preset.engine_gpus:
         gpu_mem = int(cfg.gpu_memory_gib * 2**30) if cfg.gpu_memory_gib else (local_gpu_memory_bytes() or 80 * 2**30)
-        k = engines_per_gpu(
-            preset, model_weight_bytes(model.path), gpu_mem, cfg.tensor_parallel_size, cfg.engines_per_gpu
-        )
-        share = 1.0 / k
-        concurrency = cfg.concurrency or max(1, gpus // cfg.tensor_parallel_size) * k
+        k = 1
+        if front_ends == 1:
+            k = engines_per_gpu(
+                preset, model_weight_bytes(model.path), gpu_mem, cfg.tensor_parallel_size, cfg.engines_per_gpu
+            )
+        elif cfg.engines_per_gpu and cfg.engines_per_gpu > 1:
+            raise ValueError(
+                f"engines_per_gpu {cfg.engines_per_gpu} with front_ends {front_ends}: front ends share one engine "
+                "per GPU; choose one or the other"
+            )
         if k > 1:
             # Each engine checks at start that its share of the GPU is free, and gets a fixed KV cache
             # instead of profiling "the rest of the GPU" (which the other engines are filling meanwhile).
@@ -123,6 +138,11 @@ def resolve_engine(
             }
             if local_ray:  # the GPUs are this machine's: run the engines under CUDA MPS
                 mps = cfg.cuda_mps
+        share = 1.0 / (k * front_ends)
+        concurrency = cfg.concurrency or max(1, gpus // cfg.tensor_parallel_size) * k * front_ends
+    else:
+        concurrency = cfg.concurrency or preset.concurrency * front_ends
+    renderer = preset.renderer_workers or renderer_workers(gpus, local_ray)
     base_kwargs: dict[str, Any] = {
         "max_num_seqs": cfg.max_num_seqs or preset.max_num_seqs,
         "max_model_len": cfg.max_model_len or preset.max_model_len,
@@ -161,6 +181,7 @@ def resolve_engine(
         image_grid=image_grid(model.path, max_pixels),
         solo_engine_kwargs=final({}) if layout_kwargs else None,
         engine_metrics=cfg.metrics_port is not None or not local_ray,
+        front_ends=front_ends,
     )
 
 

@@ -21,7 +21,7 @@ import pyarrow as pa
 from captionflow.compat.cuda_mps import ensure_mps
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.presets import Preset
-from captionflow.pipeline.session import WORKER_ENV
+from captionflow.pipeline.session import WORKER_ENV, keep_sigterm
 from captionflow.workers.llm_rows import keep_pending
 
 
@@ -70,13 +70,15 @@ def build_vlm_processor(
     cpu_stage = {"enabled": True, "num_cpus": preset.cpu_stage_cpus, "concurrency": preset.cpu_stage_concurrency}
     extra: dict[str, Any] = {}
     concurrency: int | tuple[int, int] = engine.concurrency
+    cpus = engine.actor_cpus
     if preset.engine_gpus == 0:
         # Without this, the engine actor asks Ray for one GPU per replica and never starts on CPU.
-        extra["placement_group_config"] = {"bundles": [{"CPU": preset.engine_cpus}] * engine.tensor_parallel_size}
-    else:
-        if engine.engines_per_gpu > 1:
-            extra["placement_group_config"] = {"bundles": [{"CPU": preset.engine_cpus, "GPU": engine.gpu_share}]}
-        # Start every replica at once: an engine takes a minute to start, too slow to autoscale into.
+        extra["placement_group_config"] = {"bundles": [{"CPU": cpus}] * engine.tensor_parallel_size}
+    elif engine.gpu_share < 1:  # several actors per GPU: whole engines, or front ends of one engine core
+        extra["placement_group_config"] = {"bundles": [{"CPU": cpus, "GPU": engine.gpu_share}]}
+    if preset.engine_gpus or engine.front_ends > 1:
+        # Start every replica at once: an engine takes a minute to start, too slow to autoscale into (and the
+        # front ends of one engine core all attach to it as it starts).
         concurrency = (concurrency, concurrency)
     if preset.max_tasks_in_flight_per_actor:
         extra["max_tasks_in_flight_per_actor"] = max(
@@ -102,15 +104,21 @@ def build_vlm_processor(
         **extra,
     )
     map_kwargs = map_task_kwargs(preset)
-    if warm is not None:  # the same settings; the stages run warm in the service's replica (warm_stage.py)
-        return _warm_processor(config, warm, engine, preprocess, postprocess, map_kwargs)
-    return build_processor(
-        config,
-        preprocess=preprocess,
-        postprocess=postprocess,
-        preprocess_map_kwargs=map_kwargs,
-        postprocess_map_kwargs=map_kwargs,
-    )
+    with keep_sigterm():  # building a processor calls ray.init again
+        if warm is not None:  # the same settings; the stages run warm in the service's replica (warm_stage.py)
+            return _warm_processor(config, warm, engine, preprocess, postprocess, map_kwargs)
+        processor = build_processor(
+            config,
+            preprocess=preprocess,
+            postprocess=postprocess,
+            preprocess_map_kwargs=map_kwargs,
+            postprocess_map_kwargs=map_kwargs,
+        )
+    if engine.front_ends > 1:
+        from captionflow.pipeline.shared_core import share_engine_cores
+
+        share_engine_cores(processor, engine.front_ends, extra.get("placement_group_config"))
+    return processor
 
 
 def _warm_processor(config, warm, engine: EngineSettings, preprocess, postprocess, map_kwargs: dict):

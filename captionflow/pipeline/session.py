@@ -18,7 +18,9 @@ cluster's come from Ray.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -99,6 +101,30 @@ class RaySession:
 _SESSION: list[RaySession] = []  # the process's session, once there is one
 
 
+@contextlib.contextmanager
+def keep_sigterm() -> Iterator[None]:
+    """Keep this process's SIGTERM handler across a block that calls ``ray.init`` (ours, and Ray Data LLM's
+    own when it builds a processor): Ray replaces the handler with ``sys.exit``, so a Prefect cancel (the
+    worker's SIGTERM) ended the flow run as Crashed instead of Cancelled."""
+    import signal
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _init(**kwargs) -> None:
+    import ray
+
+    with keep_sigterm():
+        ray.init(**kwargs)
+
+
 def ray_session(cfg: RunConfig) -> RaySession:
     """The process's Ray session: connect to the cluster, else start a local Ray sized for ``cfg``.
 
@@ -122,7 +148,7 @@ def ray_session(cfg: RunConfig) -> RaySession:
     if address:
         # worker output streams to this process for run_log (it forwards the key lines, prints none of it)
         client = address.startswith("ray://")
-        ray.init(address=address, runtime_env={"env_vars": WORKER_ENV, **hook}, log_to_driver=not client)
+        _init(address=address, runtime_env={"env_vars": WORKER_ENV, **hook}, log_to_driver=not client)
         if not client:
             run_log.take_worker_output(replace_printing=True)
         _SESSION.append(RaySession(address=address, started_here=False))
@@ -134,7 +160,8 @@ def ray_session(cfg: RunConfig) -> RaySession:
         os.environ["RAY_enable_metrics_collection"] = "1"  # noqa: SIM112 - Ray's own spelling
     gpus = local_gpus()
     hint = PRESETS[cfg.device] if cfg.device != "auto" else PRESETS["gpu" if gpus else "cpu"]
-    engines = cfg.concurrency or hint.concurrency * (cfg.engines_per_gpu or hint.max_engines_per_gpu)
+    per_gpu = cfg.front_ends or cfg.engines_per_gpu or hint.max_engines_per_gpu
+    engines = cfg.concurrency or hint.concurrency * per_gpu
     # A local Ray's workers inherit this process's environment (WORKER_ENV is set above). A job
     # runtime_env, even env_vars alone, makes Ray start new workers instead of the ones it prestarted
     # (2 fresh worker processes, ~2 s of CPU each, before the first task on 2 cores), so the job gets
@@ -142,7 +169,7 @@ def ray_session(cfg: RunConfig) -> RaySession:
     # vLLM 0.29, pre-builds its processor itself).
     # address="local": a new Ray of our own, even where a `ray start` left its address file behind (a live
     # or crashed cluster; without it, ray.init would try to join that one with our sizing and refuse)
-    ray.init(
+    _init(
         address="local",
         num_cpus=local_ray_cpus(hint, engines, cfg.ray_num_cpus),
         num_gpus=gpus,
