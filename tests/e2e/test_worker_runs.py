@@ -1,0 +1,121 @@
+"""Deployments run by a real Prefect process worker: a custom run that sets one parameter, a GPU run on a CPU
+worker, a cancelled run. The worker runs the flow from this checkout, as `captionflow deploy` sets it up."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from captionflow.config import RunConfig
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def worker_pool(prefect_api, tmp_path_factory):
+    """``captionflow deploy`` on a fresh process pool, and a process worker polling it."""
+    from prefect.settings import PREFECT_API_URL
+
+    from deployments.deploy import deploy
+
+    out = tmp_path_factory.mktemp("worker") / "out"
+    pool = f"pool-{uuid.uuid4().hex[:6]}"
+    ids = deploy(RunConfig(output=str(out), device="cpu", max_tokens=16), work_pool=pool)
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONUNBUFFERED": "1"}
+    log = tmp_path_factory.mktemp("worker-log") / "worker.log"
+    with open(log, "w") as sink:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--prefetch-seconds", "5"],
+            cwd=REPO,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    yield ids, out, log
+    worker.terminate()
+    try:
+        worker.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+
+
+def _wait(client, run_id, done, timeout_s: float, log: Path):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        run = client.read_flow_run(run_id)
+        if run.state and done(run.state):
+            return run
+        time.sleep(1)
+    raise AssertionError(
+        f"flow run {run_id} still {run.state.name} after {timeout_s} s; worker log:\n" + log.read_text()[-4000:]
+    )
+
+
+def _history(client, run_id) -> list[str]:
+    return [s.name for s in client.read_flow_run_states(run_id)]
+
+
+def test_a_custom_run_setting_only_max_tokens_writes_to_the_deployments_root(worker_pool):
+    from prefect.client.orchestration import get_client
+
+    ids, out, log = worker_pool
+    with get_client(sync_client=True) as client:
+        run = client.create_flow_run_from_deployment(uuid.UUID(ids["golden-nightly"]), parameters={"max_tokens": 8})
+        run = _wait(client, run.id, lambda s: s.is_final(), 900, log)
+        assert run.state.is_completed(), (run.state.message, log.read_text()[-4000:])
+        summary = run.state.result()
+    assert summary["run_dir"].startswith(str(out))  # the deployment's output root, not the worker's checkout
+    assert not (REPO / "captionflow-out").exists() or not any((REPO / "captionflow-out").rglob("*.parquet"))
+    from captionflow.report import read_leaderboard
+    from captionflow.storage import Store
+
+    rows = [r for r in read_leaderboard(Store(str(out))) if r["run_dir"] == summary["run_dir"]]
+    assert len(rows) == 1
+    run_json = Path(summary["run_dir"]) / "run.json"
+    import json
+
+    assert json.loads(run_json.read_text())["generation"]["max_tokens"] == 8
+
+
+def test_a_gpu_run_on_a_cpu_worker_fails_fast_naming_the_gpu(worker_pool):
+    from prefect.client.orchestration import get_client
+
+    from captionflow.pipeline.device import local_gpus
+
+    if local_gpus():
+        pytest.skip("this machine has a GPU")
+    ids, _, log = worker_pool
+    t0 = time.monotonic()
+    with get_client(sync_client=True) as client:
+        run = client.create_flow_run_from_deployment(uuid.UUID(ids["golden-nightly"]), parameters={"device": "gpu"})
+        run = _wait(client, run.id, lambda s: s.is_final(), 600, log)
+        assert run.state.is_failed(), run.state
+        tasks = {t.name.rsplit("-", 1)[0]: t for t in client.read_task_runs() if t.flow_run_id == run.id}
+        assert "GPU" in (tasks["preflight"].state.message or "") + (run.state.message or "")
+        assert "inference" not in tasks  # failed before any stage that waits on Ray
+    assert time.monotonic() - t0 < 300
+
+
+def test_a_cancelled_run_ends_cancelled_without_passing_through_crashed(worker_pool):
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    ids, _, log = worker_pool
+    with get_client(sync_client=True) as client:
+        # a new generation setting: inference runs (not cached), so the run is cancelled mid-work
+        run = client.create_flow_run_from_deployment(uuid.UUID(ids["golden-nightly"]), parameters={"max_tokens": 12})
+        _wait(client, run.id, lambda s: s.is_running(), 600, log)
+        time.sleep(15)  # into the stages
+        client.set_flow_run_state(run.id, Cancelling(message="cancelled by the test"), force=True)
+        run = _wait(client, run.id, lambda s: s.is_final(), 300, log)
+        history = _history(client, run.id)
+    assert run.state.is_cancelled(), history
+    assert "Crashed" not in history, history
