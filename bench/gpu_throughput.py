@@ -534,15 +534,16 @@ def _verdict_images(a: argparse.Namespace) -> str:
     return str(folder)
 
 
-def _checkpoints(a: argparse.Namespace) -> tuple[str, str]:
-    """Two checkpoints of the bench's architecture with different (random) weights: the verdict loads,
-    compiles and swaps real safetensors files."""
+def _checkpoints(a: argparse.Namespace) -> list[str]:
+    """Three checkpoints of the bench's architecture with different (random) weights, one per verdict phase
+    (each phase evaluates a checkpoint the golden set has not seen): the verdict loads, compiles and swaps real
+    safetensors files."""
     model = Path(a.model)
     if (model / "config.json").exists() and any(model.glob("*.safetensors")) and a.model_b:
-        return str(model), a.model_b
+        return [str(model), a.model_b, a.model_c or a.model_b]
     device = "cuda" if a.device == "gpu" else "cpu"
     paths = []
-    for seed in (0, 1):
+    for seed in (0, 1, 2):
         out = Path(a.work) / f"checkpoint-seed{seed}"
         if not (out / "model.safetensors.index.json").exists():
             shutil.rmtree(out, ignore_errors=True)
@@ -552,12 +553,11 @@ def _checkpoints(a: argparse.Namespace) -> tuple[str, str]:
             subprocess.run([sys.executable, "-c", code, str(model), str(out), str(seed), device], cwd=ROOT, check=True)
             print(f"random checkpoint {out} in {time.time() - t0:.0f} s", flush=True)
         paths.append(str(out))
-    return paths[0], paths[1]
+    return paths
 
 
-def _flow_timed(a, name: str, images: str, model: str, engine_kwargs: str, env: dict) -> dict:
-    out = Path(a.work) / f"out-verdict-{name}"
-    shutil.rmtree(out, ignore_errors=True)
+def _flow_timed(a, name: str, images: str, model: str, engine_kwargs: str, env: dict, root="out-verdict") -> dict:
+    out = Path(a.work) / root  # the golden set's output root: preprocessed by the first phase
     summary = Path(a.work) / f"verdict-{name}-summary.json"
     cmd = flow_command(a, images, out, model, summary, engine_kwargs) + ["--compile-cache-dir", env["CF_BENCH_CC"]]
     log = Path(a.work) / f"phase-verdict-{name}.log"
@@ -587,7 +587,9 @@ def verdict(a: argparse.Namespace, sampler: GpuSampler) -> dict:
     engines (hot swap; the service started beforehand, its start reported apart), and the raw script's wall
     time on the same images, start-up included."""
     images = _verdict_images(a)
-    ckpt_a, ckpt_b = _checkpoints(a)
+    ckpt_a, ckpt_b, ckpt_c = _checkpoints(a)
+    for root in ("out-verdict", "out-verdict-c"):
+        shutil.rmtree(Path(a.work) / root, ignore_errors=True)
     kwargs = json.dumps({k: v for k, v in json.loads(a.engine_kwargs).items() if k != "load_format"})
     cc = Path(a.work) / "compile-cache"
     shutil.rmtree(cc, ignore_errors=True)
@@ -599,10 +601,10 @@ def verdict(a: argparse.Namespace, sampler: GpuSampler) -> dict:
         "TRITON_CACHE_DIR": str(cc / "triton"),
         "CAPTIONFLOW_CACHE": str(Path(a.work) / "cf-cache"),  # its own service file
     }
-    res: dict = {"n": len(list(Path(images).iterdir())), "checkpoints": [ckpt_a, ckpt_b]}
+    res: dict = {"n": len(list(Path(images).iterdir())), "checkpoints": [ckpt_a, ckpt_b, ckpt_c]}
     res["cold"] = _flow_timed(a, "cold", images, ckpt_a, kwargs, env)
     res["warm_cache"] = _flow_timed(a, "warm-cache", images, ckpt_b, kwargs, env)
-    # warm engines: a service on checkpoint A, then a run of checkpoint B (swapped in)
+    # warm engines: a service on checkpoint A, then a run of checkpoint C (swapped in)
     serve_log = Path(a.work) / "phase-verdict-serve.log"
     serve_cmd = [sys.executable, "-m", "flows.cli", "serve", "--model", ckpt_a, "--device", a.device]
     serve_cmd += ["--max-pixels", str(a.max_pixels), "--max-image-side", str(a.max_image_side)]
@@ -618,7 +620,9 @@ def verdict(a: argparse.Namespace, sampler: GpuSampler) -> dict:
             time.sleep(1)
         else:
             res["service_start_s"] = round(time.time() - t0, 2)
-            res["warm_engines"] = _flow_timed(a, "warm-engines", images, ckpt_b, kwargs, env)
+            # a checkpoint the golden set has not seen (else its captions are already committed there)
+            root = "out-verdict" if ckpt_c not in (ckpt_a, ckpt_b) else "out-verdict-c"
+            res["warm_engines"] = _flow_timed(a, "warm-engines", images, ckpt_c, kwargs, env, root)
     finally:
         server.terminate()
         try:
@@ -768,8 +772,9 @@ def main() -> int:
     ap.add_argument("--verdict-n", type=int, default=5000, help="images of the verdict phase (the first of the set)")
     ap.add_argument(
         "--model-b",
-        help="the verdict's second checkpoint (with --model); default: two random-weight checkpoints of the stand-in",
+        help="the verdict's second checkpoint (with --model); default: random-weight checkpoints of the stand-in",
     )
+    ap.add_argument("--model-c", help="the verdict's third checkpoint (warm engines; default: --model-b)")
     ap.add_argument("--phase-timeout", type=float, default=900)
     ap.add_argument("--work", help="working folder (default: a new temporary one)")
     ap.add_argument("--json", help="results file (default bench/results/gpu_throughput-<gpu>.json)")

@@ -151,7 +151,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from flows.compare_flow import compare_checkpoints
 
-    result = _flow_call(compare_checkpoints, **_config(args).model_dump(), models=tuple(args.models))
+    result = _flow_call(
+        compare_checkpoints, **_config(args).model_dump(), models=tuple(args.models), parallel=args.parallel
+    )
     keys = ("bleu_4", "rouge_l", "cider", "meteor", "judge_mean")
     print(f"{'model':40}" + "".join(f"{k:>12}" for k in keys))
     for row in result["leaderboard"]:
@@ -401,6 +403,14 @@ def main(argv: list[str] | None = None) -> int:
     cmp_.add_argument("models", nargs="+", help="checkpoints, in training order (each as the model parameter)")
     cmp_.add_argument("--config", help="YAML file of parameters (command-line options win)")
     cmp_.add_argument("--summary-json", help="also write the per-checkpoint summaries as JSON here")
+    cmp_.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        metavar="K",
+        help="evaluate K checkpoints at once through prefect-ray's RayTaskRunner, the Ray cluster's GPUs split "
+        "between them (default 1: one after another)",
+    )
     _add_config_options(cmp_, skip=("model",))
     cmp_.set_defaults(func=cmd_compare)
     ev = sub.add_parser(

@@ -1,37 +1,104 @@
-"""Evaluate a list of checkpoints on one dataset, in order, and return the leaderboard.
+"""Evaluate a list of checkpoints on one dataset and return the leaderboard.
 
-The dataset is preprocessed once (the other runs hit the preprocess cache). Checkpoints run in
-sequence: on one GPU host each run uses the GPU in turn. On a Ray cluster with room for several
-engines, run the flow with prefect-ray's ``RayTaskRunner`` and ``concurrency`` instead (mind its
-open issue: remote Ray workers do not inherit ``PREFECT_API_URL``; set it in the runtime env).
+``parallel`` 1 (the default): the caption flow for each checkpoint in training order; on one GPU host each run
+uses the GPUs in turn, and the other runs hit the first one's preprocess cache.
+
+``parallel`` K > 1: the dataset is listed and preprocessed once, here; then the checkpoints are evaluated K at a
+time through prefect-ray's ``RayTaskRunner``, each a caption flow inside one Ray task, the cluster's GPUs split
+between them (``captionflow/pipeline/fanout.py``). Each evaluation has its task, its flow run, its stages' task
+runs and artifacts in Prefect, and its own leaderboard row (row files: overlapping writers lose nothing). The Ray
+workers reach the Prefect API through the task's runtime environment (prefect-ray's open issue: they do not
+inherit ``PREFECT_API_URL``).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 
-from prefect import flow
+from prefect import flow, task
+from prefect_ray import RayTaskRunner
+from prefect_ray.context import remote_options
+from pydantic import Field
 
 from captionflow.config import RunConfig
 from captionflow.model_source import resolve_model
+from captionflow.pipeline.fanout import EVALUATION_TASK_CPUS
 from captionflow.report import read_leaderboard
 from captionflow.storage import Store
 from flows.caption_flow import caption_flow
 from flows.parameters import with_config_parameters
+from tasks.ingest import ingest_task
+from tasks.preprocess import preprocess_task
+from tasks.results import stage_results
+
+log = logging.getLogger("captionflow.compare")
 
 MODELS = inspect.Parameter("models", inspect.Parameter.KEYWORD_ONLY, default=("builtin",), annotation=tuple[str, ...])
+PARALLEL = inspect.Parameter(
+    "parallel",
+    inspect.Parameter.KEYWORD_ONLY,
+    default=Field(
+        1,
+        ge=1,
+        description="Checkpoints evaluated at once through prefect-ray's RayTaskRunner, the Ray cluster's GPUs "
+        "split between them (at most one per GPU); 1: one after another.",
+    ),
+    annotation=int,
+)
 
 
 @flow(name="captionflow-compare")
-@with_config_parameters(MODELS)
-def compare_checkpoints(config: RunConfig, models: tuple[str, ...] = ("builtin",)) -> dict:
-    """Run the caption flow for each checkpoint (training order) and return their leaderboard rows."""
+@with_config_parameters(MODELS, PARALLEL)
+def compare_checkpoints(config: RunConfig, models: tuple[str, ...] = ("builtin",), parallel: int = 1) -> dict:
+    """Run the caption flow for each checkpoint (training order; ``parallel`` at a time through Ray) and return
+    their leaderboard rows."""
     # every checkpoint checked before any run starts
     resolved = [resolve_model(m, dummy_weights=config.dummy_weights()) for m in models]
-    runs = [caption_flow(**config.model_copy(update={"model": m}).model_dump()) for m in models]
+    configs = [config.model_copy(update={"model": m}) for m in models]
+    if parallel > 1 and len(models) > 1:
+        runs = _in_parallel(config, configs, resolved, parallel)
+    else:
+        runs = [caption_flow(**c.model_dump()) for c in configs]
     store = Store(config.output)
     board = read_leaderboard(store)
     wanted = {r["run_dir"] for r in runs}
     order = [r["run_dir"] for r in runs]
     rows = sorted((r for r in board if r["run_dir"] in wanted), key=lambda r: order.index(r["run_dir"]))
     return {"runs": runs, "leaderboard": rows, "models": [m.fingerprint for m in resolved]}
+
+
+@task(name="evaluate-checkpoint")
+def evaluate_checkpoint(config: RunConfig) -> dict:
+    """One checkpoint's caption flow, in the Ray worker this task runs in (its pipeline joins that worker's Ray)."""
+    return caption_flow(**config.model_dump())
+
+
+@flow(name="captionflow-compare-parallel")
+def evaluate_in_parallel(configs: list[RunConfig], slots: int, env: dict[str, str]) -> list[dict]:
+    """``configs`` evaluated ``slots`` at a time, each in a Ray task spread over the cluster's nodes."""
+    runs: list[dict] = []
+    with remote_options(
+        num_cpus=EVALUATION_TASK_CPUS, scheduling_strategy="SPREAD", runtime_env={"env_vars": env}, max_retries=0
+    ):
+        for start in range(0, len(configs), slots):
+            futures = [evaluate_checkpoint.submit(c) for c in configs[start : start + slots]]
+            runs += [f.result() for f in futures]
+    return runs
+
+
+def _in_parallel(config: RunConfig, configs: list[RunConfig], resolved, parallel: int) -> list[dict]:
+    from captionflow.pipeline.engine import resolve_engine
+    from captionflow.pipeline.fanout import fan_out, worker_env
+    from captionflow.pipeline.session import ray_session
+
+    session = ray_session(config, pipelines=min(parallel, len(configs)))
+    with stage_results(config.output):  # once, before the fan-out: every evaluation finds it done (Cached)
+        preprocess_task(ingest_task(config), config)
+    engine = resolve_engine(config, resolved[0], session.preset(config.device), session.gpus(), session.started_here)
+    plan = fan_out(config, len(configs), parallel, session.gpus(), engine.engines_per_gpu * engine.front_ends)
+    log.info("evaluating %d checkpoints, %s", len(configs), plan.describe())
+    if plan.concurrency:
+        configs = [c.model_copy(update={"concurrency": plan.concurrency}) for c in configs]
+    runner = RayTaskRunner(address=session.address or "auto")  # adopts the Ray this process is connected to
+    return evaluate_in_parallel.with_options(task_runner=runner)(configs, plan.slots, worker_env())

@@ -125,8 +125,9 @@ def _init(**kwargs) -> None:
         ray.init(**kwargs)
 
 
-def ray_session(cfg: RunConfig) -> RaySession:
-    """The process's Ray session: connect to the cluster, else start a local Ray sized for ``cfg``.
+def ray_session(cfg: RunConfig, pipelines: int = 1) -> RaySession:
+    """The process's Ray session: connect to the cluster, else start a local Ray sized for ``cfg`` (for
+    ``pipelines`` runs at once: parallel evaluations of checkpoints).
 
     A Ray already initialised in this process (by a caller, a test, a benchmark) is adopted as it is.
     """
@@ -171,7 +172,7 @@ def ray_session(cfg: RunConfig) -> RaySession:
     # or crashed cluster; without it, ray.init would try to join that one with our sizing and refuse)
     _init(
         address="local",
-        num_cpus=local_ray_cpus(hint, engines, cfg.ray_num_cpus),
+        num_cpus=cfg.ray_num_cpus or local_ray_cpus(hint, engines) * pipelines,
         num_gpus=gpus,
         include_dashboard=False,
         _metrics_export_port=cfg.metrics_port,
