@@ -1,0 +1,152 @@
+"""Scaling on one multi-GPU host: one checkpoint over G GPUs, and G checkpoints at once.
+
+  python bench/gpu_scaling.py --n 8000 [--gpus 1,2,4,8] [--json FILE] [-- gpu_throughput.py options]
+
+``scaling``: for each G in ``--gpus`` (at most the host's), the inference stage of one checkpoint on the first G
+GPUs (``CUDA_VISIBLE_DEVICES``; ``bench/gpu_throughput.py --phases stage``, the GPU preset's layout), its steady
+images/s and the efficiency ``rate(G) / (G x rate(1))`` (goal >= 0.9).
+
+``parallel_checkpoints``: on all G GPUs, G checkpoints of the stand-in's architecture (random weights) evaluated at
+once by ``captionflow compare --parallel G`` (prefect-ray's RayTaskRunner, the GPUs split between them), wall
+seconds, against one checkpoint's ``captionflow run`` on one GPU; ``ratio`` = the first over the second (goal
+<= 1.2). Both on the same images, the dataset preprocessed beforehand (a golden set).
+
+Writes JSON (default bench/results/gpu_scaling-<gpu>.json) and prints a short table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _stage_rate(a: argparse.Namespace, gpus: int, work: Path, extra: list[str]) -> dict:
+    out = work / f"scaling-{gpus}.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_throughput.py"), "--n", str(a.n), "--phases", "stage"]
+    cmd += ["--work", str(work / "throughput"), "--json", str(out), *extra]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(gpus))}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=a.timeout)
+    if proc.returncode != 0 or not out.exists():
+        return {"gpus": gpus, "error": f"exit {proc.returncode}"}
+    stage = json.loads(out.read_text())["stage"]
+    return {
+        "gpus": gpus,
+        "images_per_s": stage.get("images_per_s"),
+        "images_per_s_10_90": stage.get("images_per_s_10_90"),
+        "engines": stage.get("engines"),
+        "wall_s": stage.get("wall_s"),
+    }
+
+
+def _timed(cmd: list[str], env: dict, log: Path, timeout: float) -> dict:
+    t0 = time.time()
+    with open(log, "w") as fh:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout)
+    wall = round(time.time() - t0, 2)
+    if proc.returncode != 0:
+        return {"error": f"exit {proc.returncode}", "log_tail": log.read_text(errors="replace")[-3000:]}
+    return {"wall_s": wall}
+
+
+def _parallel(a: argparse.Namespace, gpus: int, work: Path) -> dict:
+    """A golden set preprocessed by a first run (checkpoint ``gpus + 1``), then checkpoint 0 alone on one GPU, then
+    checkpoints 1..gpus at once on every GPU: every measured run evaluates a checkpoint the set has not seen."""
+    images, model = work / "throughput" / "images", a.model or _standin(work)
+    ckpts = []
+    for seed in range(gpus + 2):
+        out = work / f"checkpoint-{seed}"
+        if not (out / "model.safetensors.index.json").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            code = "import sys; from captionflow.builtin.standin import write_random_weights as w; w(*sys.argv[1:4])"
+            subprocess.run([sys.executable, "-c", code, model, str(out), str(seed), "cuda"], cwd=ROOT, check=True)
+        ckpts.append(str(out))
+    root = work / "out-parallel"
+    shutil.rmtree(root, ignore_errors=True)
+    common = ["--dataset", str(images), "--output", str(root), "--device", "gpu", "--ignore-eos"]
+    common += ["--max-tokens", str(a.max_tokens), "--max-pixels", str(a.max_pixels)]
+    run = [sys.executable, "-m", "flows.cli", "run", *common]
+    one_gpu = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
+    every_gpu = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(gpus))}
+    first = _timed([*run, "--model", ckpts[gpus + 1]], one_gpu, work / "parallel-prepare.log", a.timeout)
+    one = _timed([*run, "--model", ckpts[0]], one_gpu, work / "parallel-one.log", a.timeout)
+    compare = [sys.executable, "-m", "flows.cli", "compare", *ckpts[1 : gpus + 1], *common, "--parallel", str(gpus)]
+    many = _timed(compare, every_gpu, work / "parallel-many.log", a.timeout)
+    res = {"checkpoints": gpus, "preparing_run": first, "one_checkpoint_one_gpu": one, "all_at_once": many}
+    if "wall_s" in one and "wall_s" in many:
+        res["ratio"] = round(many["wall_s"] / one["wall_s"], 3)
+    return res
+
+
+def _standin(work: Path) -> str:
+    """The stand-in the throughput runs built (gpu_throughput.py's work folder), else a new one."""
+    made = work / "throughput" / "standin-qwen2.5-vl-3b"
+    if (made / "config.json").exists():
+        return str(made)
+    from captionflow.builtin.standin import build_standin
+
+    return str(build_standin("qwen2.5-vl-3b", work / "standin"))
+
+
+def main() -> int:
+    from captionflow.pipeline.device import local_gpu_name, local_gpus
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=8000)
+    ap.add_argument("--gpus", default="1,2,4,8", help="GPU counts to measure (at most the host's)")
+    ap.add_argument("--model", help="a checkpoint folder (default: the Qwen2.5-VL-3B stand-in, random weights)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-pixels", type=int, default=224 * 224)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--work", help="working folder (default: a new temporary one)")
+    ap.add_argument("--json", help="results file (default bench/results/gpu_scaling-<gpu>.json)")
+    ap.add_argument("--skip-parallel", action="store_true")
+    a, extra = ap.parse_known_args()
+    host_gpus = local_gpus()
+    if not host_gpus:
+        print("gpu_scaling: this machine has no GPU", file=sys.stderr)
+        return 2
+    work = Path(a.work or f"/tmp/cf-scaling-{os.getpid()}")
+    work.mkdir(parents=True, exist_ok=True)
+    counts = [g for g in (int(x) for x in a.gpus.split(",")) if g <= host_gpus]
+    extra += ["--max-tokens", str(a.max_tokens), "--max-pixels", str(a.max_pixels)]
+    if a.model:
+        extra += ["--model", a.model]
+    scaling = [_stage_rate(a, g, work, extra) for g in counts]
+    base = next((s.get("images_per_s") for s in scaling if s["gpus"] == 1), None)
+    for s in scaling:
+        if base and s.get("images_per_s"):
+            s["efficiency"] = round(s["images_per_s"] / (s["gpus"] * base), 3)
+    res = {
+        "device": local_gpu_name(),
+        "host_gpus": host_gpus,
+        "n": a.n,
+        "max_tokens": a.max_tokens,
+        "max_pixels": a.max_pixels,
+        "scaling": scaling,
+    }
+    if not a.skip_parallel and host_gpus > 1:
+        res["parallel_checkpoints"] = _parallel(a, max(counts), work)
+    out = Path(a.json) if a.json else ROOT / "bench" / "results" / f"gpu_scaling-{local_gpu_name() or 'gpu'}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+    print(f"{'GPUs':>5} {'img/s':>10} {'efficiency':>11}")
+    for s in scaling:
+        print(f"{s['gpus']:>5} {s.get('images_per_s') or 0:>10.1f} {s.get('efficiency') or 0:>11.3f}")
+    if "parallel_checkpoints" in res:
+        p = res["parallel_checkpoints"]
+        print(f"{p['checkpoints']} checkpoints at once vs one on one GPU: ratio {p.get('ratio')}")
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
