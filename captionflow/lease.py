@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from captionflow.errors import CaptionflowError
+from captionflow.processes import process_started
 from captionflow.storage import Store
 
 log = logging.getLogger("captionflow.lease")
@@ -53,15 +54,6 @@ class Holder:
             f"{self.owner} (pid {self.pid} on {self.host}, since "
             f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.since))})"
         )
-
-
-def _process_started(pid: int) -> Optional[float]:
-    try:
-        import psutil
-
-        return psutil.Process(pid).create_time()
-    except Exception:
-        return None
 
 
 def _default_owner() -> str:
@@ -153,7 +145,7 @@ class Lease:
     # ------------------------------------------------------------ holders
     def _alive(self, h: Holder) -> bool:
         if h.host == socket.gethostname() and h.pid:
-            started = _process_started(h.pid)
+            started = process_started(h.pid)
             if started is None or abs(started - h.pid_started) > 1.0:
                 return False  # its process is gone (killed, crashed): no need to wait for the heartbeat
         return time.time() - h.heartbeat < h.ttl_s
@@ -178,7 +170,7 @@ class Lease:
                     owner=self.owner,
                     host=socket.gethostname(),
                     pid=os.getpid(),
-                    pid_started=_process_started(os.getpid()) or 0.0,
+                    pid_started=process_started(os.getpid()) or 0.0,
                     since=now,
                     heartbeat=now,
                     ttl_s=self.ttl_s,

@@ -40,8 +40,9 @@ from captionflow.errors import CaptionflowError, EngineFailed
 from captionflow.fingerprint import digest
 from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.engine import EngineSettings
-from captionflow.pipeline.service_address import alive, local_service_address, process_started, service_file
+from captionflow.pipeline.service_address import local_service_address, service_file
 from captionflow.pipeline.session import WORKER_ENV
+from captionflow.processes import alive, process_started
 
 log = logging.getLogger("captionflow.service")
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from captionflow.cache import default_cache_dir
+from captionflow.processes import alive
 
 
 def service_file() -> Path:
@@ -35,26 +36,3 @@ def local_service_address() -> Optional[str]:
     # a run on a local service's Ray ends soon after that Ray does (see _Lifeline), not after Ray's default 60 s
     os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", "15")
     return info.get("address")
-
-
-def process_started(pid: int) -> Optional[float]:
-    import psutil
-
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return None
-
-
-def alive(pid: int, started: Optional[float] = None) -> bool:
-    """The process runs (a killed one that its parent has not reaped yet is a zombie: not running), and is the
-    one started at ``started`` (when given: process numbers are reused)."""
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        if started is not None and abs(proc.create_time() - started) > 1.0:
-            return False
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from captionflow.processes import alive, process_started
+
 SLOTS_PER_FRONT_END = 4  # client slots per front end: passes of one run, and front ends that came back
 LINGER_S = 20.0  # the host keeps the core this long after the group's last front end is gone
 CORE_WAIT_S = 900.0  # how long a front end waits for a core (another's to close, then its own to start)
@@ -48,33 +50,13 @@ def groups_root() -> Path:
     return Path(tempfile.gettempdir()) / "cf-cores"
 
 
-def _started(pid: int) -> float | None:
-    import psutil
-
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return None
-
-
 def _alive(entry: list | None) -> bool:
-    """``entry`` is [pid, start time]: that very process runs (process numbers are reused)."""
-    if not entry:
-        return False
-    import psutil
-
-    pid, started = entry
-    try:
-        proc = psutil.Process(pid)
-        if started is not None and abs(proc.create_time() - started) > 1.0:
-            return False
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+    """``entry`` is [pid, start time] (``processes``): that very process runs."""
+    return bool(entry) and alive(*entry)
 
 
 def me() -> list:
-    return [os.getpid(), _started(os.getpid())]
+    return [os.getpid(), process_started(os.getpid())]
 
 
 @contextlib.contextmanager
@@ -255,7 +237,7 @@ def host(folder: Path, generation: int) -> int:
             time.sleep(0.2)
         engine_args = pickle.loads(args_file.read_bytes())
         manager = launch_core(engine_args, CoreAddresses(tuple(inputs), tuple(outputs)))
-        core = [[p, _started(p)] for p in core_pids(manager)]
+        core = [[p, process_started(p)] for p in core_pids(manager)]
         with locked(folder) as state:
             state["core"] = core
         say(f"started in {time.perf_counter() - t0:.1f} s (generation {generation}, {slots} client slots)")

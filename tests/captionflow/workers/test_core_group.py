@@ -8,13 +8,14 @@ import sys
 
 import pytest
 
+from captionflow.processes import process_started
 from captionflow.workers import core_group
 from captionflow.workers.core_group import Member, join, locked, me, wait_for_core
 
 
 def _dead_process() -> list:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
-    entry = [p.pid, core_group._started(p.pid)]
+    entry = [p.pid, process_started(p.pid)]
     p.wait()
     return entry
 
