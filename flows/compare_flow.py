@@ -14,9 +14,9 @@ inherit ``PREFECT_API_URL``).
 from __future__ import annotations
 
 import inspect
-import logging
 
-from prefect import flow, task
+from prefect import flow, get_run_logger, task
+from prefect.futures import wait
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
 from pydantic import Field
@@ -31,8 +31,6 @@ from flows.parameters import with_config_parameters
 from tasks.ingest import ingest_task
 from tasks.preprocess import preprocess_task
 from tasks.results import stage_results
-
-log = logging.getLogger("captionflow.compare")
 
 MODELS = inspect.Parameter("models", inspect.Parameter.KEYWORD_ONLY, default=("builtin",), annotation=tuple[str, ...])
 PARALLEL = inspect.Parameter(
@@ -83,6 +81,7 @@ def evaluate_in_parallel(configs: list[RunConfig], slots: int, env: dict[str, st
     ):
         for start in range(0, len(configs), slots):
             futures = [evaluate_checkpoint.submit(c) for c in configs[start : start + slots]]
+            wait(futures)  # the whole wave ends before one failure ends the flow
             runs += [f.result() for f in futures]
     return runs
 
@@ -97,7 +96,7 @@ def _in_parallel(config: RunConfig, configs: list[RunConfig], resolved, parallel
         preprocess_task(ingest_task(config), config)
     engine = resolve_engine(config, resolved[0], session.preset(config.device), session.gpus(), session.started_here)
     plan = fan_out(config, len(configs), parallel, session.gpus(), engine.engines_per_gpu * engine.front_ends)
-    log.info("evaluating %d checkpoints, %s", len(configs), plan.describe())
+    get_run_logger().info("evaluating %d checkpoints, %s", len(configs), plan.describe())
     if plan.concurrency:
         configs = [c.model_copy(update={"concurrency": plan.concurrency}) for c in configs]
     runner = RayTaskRunner(address=session.address or "auto")  # adopts the Ray this process is connected to
