@@ -34,14 +34,15 @@ ENDED = "attempt ended"  # how an attempt's artifact starts once it is over with
 
 
 class ProgressArtifact:
-    """The caption run folder's progress artifact (key ``inference-progress-<folder digest>``, so its versions are
-    the attempts on that folder): rows captioned / total as engine batches arrive, how many are committed, the
-    captioning rate and an ETA from that rate (engine start-up is not in it); one log line every
-    ``log_every_s``. An attempt that fails says so on its artifact; one that died without a word (SIGKILL, a lost
-    node) is marked by the next attempt, once that holds the folder's lease (so never while it lives)."""
+    """The caption run folder's progress artifact (key ``inference-progress-<digest of the folder's URI>``, the
+    output root included, so that its versions are the attempts on that folder and no other): rows captioned /
+    total as engine batches arrive, how many are committed, the captioning rate and an ETA from that rate (engine
+    start-up is not in it); one log line every ``log_every_s``. An attempt that fails says so on its artifact; one
+    that died without a word (SIGKILL, a lost node) is marked by the next attempt, once that holds the folder's
+    lease (so never while it lives)."""
 
-    def __init__(self, run: tuple[str, ...], log_every_s: float = 30.0):
-        self.key = f"inference-progress-{digest('/'.join(run), 12)}"
+    def __init__(self, folder: str, log_every_s: float = 30.0):
+        self.key = f"inference-progress-{digest(folder, 12)}"
         self.id = None
         self.last = self.last_log = 0.0
         self.log_every_s = log_every_s
@@ -115,7 +116,8 @@ class ProgressArtifact:
 def inference_task(cfg: RunConfig, manifest: Manifest, checked: PreflightResult) -> InferenceResult:
     """Rows that still fail after every pass are counted (the next run's cache check sees them missing and
     tries them again); more than ``max_failure_rate`` of them fails the task and the run."""
-    progress = ProgressArtifact(caption_run_parts(cfg, manifest, checked.model, checked.engine))
+    run = caption_run_parts(cfg, manifest, checked.model, checked.engine)
+    progress = ProgressArtifact(Store(cfg.output).path(*run))
     try:
         return run_inference(cfg, manifest, checked.model, checked.engine, progress)
     except BaseException as e:
