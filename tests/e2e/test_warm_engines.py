@@ -124,6 +124,11 @@ def test_a_run_whose_warm_engines_die_ends_with_the_reason_and_a_rerun_finishes_
         "1",
         "--max-concurrent-batches",
         "1",
+        # long captions, so that the service dies mid-run: with short ones the other 7 images were captioned
+        # between the first committed shard and the kill once (the run ended 0 in a full CI run)
+        "--max-tokens",
+        "512",
+        "--ignore-eos",
     ]
     run = subprocess.Popen(
         [*CLI, "run", "--device", "cpu", *args],
@@ -135,7 +140,7 @@ def test_a_run_whose_warm_engines_die_ends_with_the_reason_and_a_rerun_finishes_
     deadline = time.time() + 600
     while not list(out.glob(pattern)):
         assert run.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-        time.sleep(0.5)
+        time.sleep(0.1)
     os.killpg(serve.pid, signal.SIGKILL)  # the service and its Ray, at once
     t0 = time.time()
     rc = run.wait(timeout=180)  # ends, within Ray's reconnect window: never hangs
