@@ -288,7 +288,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print("no warm engine service runs here")
             return 0
         ray_session(cfg)
-        info = service.stop_service() if args.stop else service.describe()
+        info = service.stop_service() if args.stop else service.describe(engines=True)
         if info is None:
             print("no warm engine service runs here")
         else:
@@ -301,12 +301,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     checked = _flow_call(preflight, cfg=cfg.model_copy(update={"warm_engines": "off"}))
     preset = PRESETS[checked.engine.preset.name]
-    # a local Ray with room for the service's engine beside a whole run's pipeline
-    cpus = cfg.ray_num_cpus or local_ray_cpus(preset, 1) + math.ceil(preset.engine_cpus)
+    # a local Ray with room for the service's engines beside a whole run's pipeline
+    engines = checked.engine.service_engines()[1]
+    cpus = cfg.ray_num_cpus or local_ray_cpus(preset, 1) + math.ceil(engines * preset.engine_cpus)
     session = ray_session(cfg.model_copy(update={"ray_num_cpus": cpus, "warm_engines": "off"}))
     service.start_service(checked.model, checked.engine, args.idle_timeout, session.address)
     print(
-        f"warm engines ready: {checked.model.source} ({checked.engine.preset.name}); runs use them while this "
+        f"warm engines ready: {checked.model.source} ({checked.engine.preset.name}, {engines} engine"
+        f"{'s' if engines > 1 else ''}); runs use them while this "
         "runs; stop with: captionflow serve --stop",
         flush=True,
     )
@@ -443,7 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_config_options(dep)
     dep.set_defaults(func=cmd_deploy)
     srv = sub.add_parser(
-        "serve", help="keep a warm vLLM engine between runs: runs swap their checkpoint into it instead of starting one"
+        "serve",
+        help="keep warm vLLM engines between runs (the run's engine layout): runs swap their checkpoint into them "
+        "instead of starting their own",
     )
     srv.add_argument("--config", help="YAML file of parameters: the model and engine settings to start with")
     srv.add_argument(

@@ -49,9 +49,16 @@ class EngineSettings:
     engine_metrics: bool = False  # vLLM engine metrics exported through Ray's Prometheus endpoint
     front_ends: int = 1  # engine-stage actors sharing one engine core (shared_core.py); 1: each its own engine
 
+    def service_engines(self) -> tuple[EngineSettings, int]:
+        """The warm service's engines: these settings and how many long-lived replicas hold them - the run's own
+        layout (``engines_per_gpu`` per GPU, each its own front end), since a warm run captions through them as
+        fast as a cold run's engines would; front ends sharing an engine core are not something a replica can
+        hold, so with ``front_ends`` > 1 one engine per GPU."""
+        one = self.single_engine() if self.front_ends > 1 else self
+        return one, max(1, one.concurrency)
+
     def single_engine(self) -> EngineSettings:
-        """These settings for one engine per GPU with its own front end (the warm service: one long-lived
-        replica that owns its GPUs)."""
+        """These settings for one engine per GPU with its own front end."""
         if self.solo_engine_kwargs is None and self.front_ends == 1:
             return self
         return replace(

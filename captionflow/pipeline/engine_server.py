@@ -70,6 +70,7 @@ class CaptionEngine:
         self.llm = self.udfs[-1].llm  # the engine stage's vLLM engine wrapper
         self.model_path, self.model_fingerprint = model_path, model_fingerprint
         self.started_s = round(time.perf_counter() - t0, 2)
+        self.rows = 0  # rows captioned since the replica started
 
     async def caption_batch(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Request rows (what a run's preprocess gives) through every stage; the engine's output rows."""
@@ -81,6 +82,7 @@ class CaptionEngine:
             for key in PREPARED:
                 row.pop(key, None)
             row["served_by"] = served_by
+        self.rows += len(rows)
         return rows
 
     async def reload(self, model_path: str, model_fingerprint: str) -> float:
@@ -103,4 +105,9 @@ class CaptionEngine:
         return tuple(results[0])
 
     async def loaded(self) -> dict[str, Any]:
-        return {"model_path": self.model_path, "model_fingerprint": self.model_fingerprint, "started_s": self.started_s}
+        return {
+            "model_path": self.model_path,
+            "model_fingerprint": self.model_fingerprint,
+            "started_s": self.started_s,
+            "rows": self.rows,
+        }

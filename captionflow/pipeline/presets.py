@@ -11,7 +11,7 @@ The GPU preset runs as many engines per GPU as its front ends need to keep the G
 so one engine alone leaves the GPU three quarters idle; four share it under CUDA MPS. Images reach the
 engines already fitted to the model's patch grid by Ray Data's CPU stages spread over the host. The rule
 and the measurements are in docs/sizing.md; ``engines_per_gpu`` overrides it. The warm engine service
-runs one engine per GPU (``EngineSettings.single_engine``). ``front_ends`` instead runs one engine per GPU
+runs the same layout (``EngineSettings.service_engines``). ``front_ends`` instead runs one engine per GPU
 fed by several front-end processes (``pipeline/shared_core.py``); measured behind this layout so far
 (docs/sizing.md), so it is not the default.
 """

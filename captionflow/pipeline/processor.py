@@ -130,7 +130,7 @@ def _warm_processor(config, warm, engine: EngineSettings, preprocess, postproces
 
     stage = WarmEngineStage(
         fn_constructor_kwargs={
-            "app_name": warm.app,
+            "app_names": warm.apps,
             "deployment_name": warm.deployment,
             "model_fingerprint": warm.model_fingerprint,
         },
@@ -138,7 +138,8 @@ def _warm_processor(config, warm, engine: EngineSettings, preprocess, postproces
             "zero_copy_batch": True,
             "num_cpus": engine.preset.map_cpus,
             "compute": ray.data.ActorPoolStrategy(size=1),
-            "max_concurrency": engine.max_concurrent_batches,
+            # as many batches in flight as the engines would each have in a cold run
+            "max_concurrency": engine.max_concurrent_batches * len(warm.apps),
             "runtime_env": {"env_vars": dict(WORKER_ENV)},
         },
     )

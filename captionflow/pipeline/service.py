@@ -3,8 +3,10 @@
 Why: for a golden set, a run's verdict is mostly start-up (importing vLLM, loading and compiling the
 engine); the captioning itself takes seconds. The service keeps the engine up between runs.
 
-What it is: a Ray Serve application (``captionflow``) with one deployment (``caption-engine``) whose
-replica holds Ray Data LLM's own vLLM engine wrapper (``engine_server.CaptionEngine``), and a detached
+What it is: one Ray Serve application per engine (``captionflow-0``, ``captionflow-1``, ...: the run's engine
+layout, ``EngineSettings.service_engines``, e.g. four per GPU), each with one deployment (``caption-engine``)
+whose one replica holds Ray Data LLM's own vLLM engine wrapper (``engine_server.CaptionEngine``) - an
+application per engine so that a swap reaches, and a check covers, every engine by name - and a detached
 controller actor (``captionflow-service`` in namespace ``captionflow``) that knows what is loaded, hands the
 engine to one run at a time (a lease: a run waits, saying for whom), and gives the GPU back after
 ``idle_timeout_s`` without a run. Runs stay Ray Data LLM pipelines: the processor is the one
@@ -12,9 +14,10 @@ engine to one run at a time (a lease: a run waits, saying for whom), and gives t
 and the engine code are the same as a run's own engine and the captions equal a cold run's.
 
 A run whose checkpoint has the loaded architecture and engine settings (``engine_spec``) has its weights
-loaded into the running engine (vLLM ``reload_weights``), checked against the checkpoint's file
-(``engine_server.checkpoint_digest``), and the engine is replaced if the check fails; another architecture
-or other settings replace the engine. Each caption row records the checkpoint that served it.
+loaded into every running engine at once (vLLM ``reload_weights``), each checked against the checkpoint's
+file (``engine_server.checkpoint_digest``); an engine whose swap fails or does not check is replaced, never
+used. Another architecture or other settings replace the engines. Each caption row records the checkpoint
+that served it.
 
 Lifecycle: ``captionflow serve`` starts it (on a local Ray it stays in the foreground, owning that Ray,
 and writes ``<cache>/service.json`` so that runs on this machine find it; on a cluster it detaches);
@@ -100,6 +103,7 @@ class ServiceController:
     def __init__(self, idle_timeout_s: float):
         self.idle_timeout_s = idle_timeout_s
         self.state: dict[str, Any] = {
+            "apps": [],  # the engines' Serve applications
             "spec": "",
             "model_fingerprint": "",
             "model_path": "",
@@ -141,9 +145,16 @@ class ServiceController:
             self.holder = None
         self.state["last_used"] = time.time()
 
-    async def loaded(self, spec: str, model: str, model_path: str, model_fingerprint: str, swapped: bool) -> None:
+    async def loaded(
+        self, apps: list[str], spec: str, model: str, model_path: str, model_fingerprint: str, swapped: bool
+    ) -> None:
         self.state.update(
-            spec=spec, model=model, model_path=model_path, model_fingerprint=model_fingerprint, last_used=time.time()
+            apps=list(apps),
+            spec=spec,
+            model=model,
+            model_path=model_path,
+            model_fingerprint=model_fingerprint,
+            last_used=time.time(),
         )
         self.state["swaps"] += int(swapped)
 
@@ -153,22 +164,28 @@ class ServiceController:
         if not self.state["stopped"]:
             self.state["stopped"] = True
             self.state["stopped_why"] = why
-            try:
-                serve.delete(APP)  # the engine's replica ends: its GPU and CPUs are free
-            except Exception:
-                pass
+            for app in self.state["apps"]:
+                try:
+                    serve.delete(app)  # the engine's replica ends: its GPU share and CPUs are free
+                except Exception:
+                    pass
 
 
-# ---------------------------------------------------------------- deploying the engine
-def _deploy(model: ResolvedModel, engine: EngineSettings) -> float:
-    """Deploy (or replace) the engine with ``model`` and ``engine``; returns seconds until it is ready."""
+# ---------------------------------------------------------------- deploying the engines
+def app_names(n: int) -> list[str]:
+    return [f"{APP}-{i}" for i in range(n)]
+
+
+def _deploy(model: ResolvedModel, engine: EngineSettings, apps: list[str]) -> float:
+    """Deploy (or replace) the engines of ``apps`` with ``model`` and ``engine`` (``service_engines``' settings),
+    all at once; returns seconds until every one is ready."""
     from ray import serve
+    from ray.serve.api import RunTarget
 
     from captionflow.compat.cuda_mps import ensure_mps
     from captionflow.pipeline.engine_server import CaptionEngine
 
     t0 = time.perf_counter()
-    engine = engine.single_engine()  # one long-lived replica owns its GPU(s), whatever a run's layout is
     preset = engine.preset
     actor_options: dict[str, Any] = {
         "num_cpus": preset.engine_cpus,
@@ -189,21 +206,22 @@ def _deploy(model: ResolvedModel, engine: EngineSettings) -> float:
         health_check_timeout_s=300,
         graceful_shutdown_timeout_s=5,
     )
-    serve.run(deployment.bind(model.path, model.fingerprint, engine), name=APP, route_prefix=None)
+    app = deployment.bind(model.path, model.fingerprint, engine)
+    serve.run_many([RunTarget(target=app, name=name, route_prefix=None) for name in apps])
     return round(time.perf_counter() - t0, 2)
 
 
-def _handle():
+def _handle(app: str):
     from ray import serve
 
-    return serve.get_deployment_handle(ENGINE, APP)
+    return serve.get_deployment_handle(ENGINE, app)
 
 
-def verify(model: ResolvedModel) -> Optional[str]:
-    """None when the engine holds ``model``'s weights, else why not (its embedding against the file's)."""
+def verify(model: ResolvedModel, app: str) -> Optional[str]:
+    """None when ``app``'s engine holds ``model``'s weights, else why not (its embedding against the file's)."""
     from captionflow.pipeline.engine_server import checkpoint_digest
 
-    dtype, got = _handle().weights_digest.remote().result(timeout_s=300)
+    dtype, got = _handle(app).weights_digest.remote().result(timeout_s=300)
     if not got:
         return "the engine's embedding could not be read"
     want = checkpoint_digest(model.path, dtype)
@@ -234,8 +252,11 @@ def start_service(model: ResolvedModel, engine: EngineSettings, idle_timeout_s: 
         .remote(idle_timeout_s)
     )
     ray.get(controller.start_idle_timer.remote())
-    seconds = _deploy(model, engine)
-    ray.get(controller.loaded.remote(engine_spec(model, engine), model.source, model.path, model.fingerprint, False))
+    settings, n = engine.service_engines()
+    apps = app_names(n)
+    seconds = _deploy(model, settings, apps)
+    spec = engine_spec(model, engine)
+    ray.get(controller.loaded.remote(apps, spec, model.source, model.path, model.fingerprint, False))
     if address is None:  # a local Ray: tell the runs on this machine where it is
         path = service_file()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -253,7 +274,7 @@ def start_service(model: ResolvedModel, engine: EngineSettings, idle_timeout_s: 
                 }
             )
         )
-    log.info("warm engine ready in %.1f s: %s", seconds, model.source)
+    log.info("%d warm engine(s) ready in %.1f s: %s", n, seconds, model.source)
     return controller
 
 
@@ -266,15 +287,25 @@ def _controller():
         return None
 
 
-def describe() -> Optional[dict[str, Any]]:
-    """The service's state, or None when there is none on the connected Ray."""
+def describe(engines: bool = False) -> Optional[dict[str, Any]]:
+    """The service's state, or None when there is none on the connected Ray; ``engines``: with what each engine
+    holds and how many rows it captioned."""
     import ray
 
     c = _controller()
     if c is None:
         return None
     info = ray.get(c.describe.remote(), timeout=60)
-    return None if info["stopped"] else info
+    if info["stopped"]:
+        return None
+    if engines:
+        info["engines"] = {}
+        for app in info["apps"]:
+            try:
+                info["engines"][app] = _handle(app).loaded.remote().result(timeout_s=60)
+            except Exception as e:
+                info["engines"][app] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    return info
 
 
 def stop_service() -> Optional[dict[str, Any]]:
@@ -324,9 +355,9 @@ class _Lifeline:
 # ---------------------------------------------------------------- a run on the service
 @dataclass
 class WarmEngine:
-    """What a run uses: the deployment, and what it took to get the run's checkpoint loaded."""
+    """What a run uses: the engines' applications, and what it took to get the run's checkpoint loaded."""
 
-    app: str
+    apps: list[str]
     deployment: str
     model_fingerprint: str
     how: str  # "loaded" (already), "swapped" (hot swap), "replaced" (a new engine)
@@ -376,40 +407,67 @@ def _load(c, model: ResolvedModel, engine: EngineSettings) -> WarmEngine:
 
     info = ray.get(c.describe.remote(), timeout=60)
     spec = engine_spec(model, engine)
+    settings, n = engine.service_engines()
     t0 = time.perf_counter()
-    how = "loaded"
+    apps, how = list(info["apps"]), "loaded"
     try:
-        if info["spec"] != spec:
+        if info["spec"] != spec or not apps:
             log.warning(
-                "warm engines: %s needs another architecture or other engine settings: replacing the engine",
+                "warm engines: %s needs another architecture or other engine settings: replacing the engines",
                 model.source,
             )
-            _deploy(model, engine)
+            apps = _replace_all(model, settings, apps, app_names(n))
             how = "replaced"
         elif info["model_fingerprint"] != model.fingerprint:
-            swap_s = _handle().reload.remote(model.path, model.fingerprint).result(timeout_s=1800)
-            problem = verify(model)
-            if problem:
+            bad = _swap(model, apps)
+            if bad:
                 log.warning(
-                    "warm engines: the swap to %s did not take (%s): replacing the engine", model.source, problem
+                    "warm engines: the swap to %s did not take on %s: replacing %s",
+                    model.source,
+                    "; ".join(f"{app} ({why})" for app, why in bad.items()),
+                    "it" if len(bad) == 1 else "them",
                 )
-                _deploy(model, engine)
-                how = "replaced"
-            else:
-                log.info("warm engines: %s loaded in %.2f s and checked", model.source, swap_s)
-                how = "swapped"
+                _deploy(model, settings, list(bad))
+            how = "replaced" if len(bad) == len(apps) else "swapped"
     except CaptionflowError:
         raise
     except Exception as e:
         raise EngineFailed(f"warm engines: loading {model.source} failed: {type(e).__name__}: {str(e)[:300]}") from e
-    ray.get(c.loaded.remote(spec, model.source, model.path, model.fingerprint, how == "swapped"), timeout=60)
+    ray.get(c.loaded.remote(apps, spec, model.source, model.path, model.fingerprint, how == "swapped"), timeout=60)
     return WarmEngine(
-        app=APP,
+        apps=apps,
         deployment=ENGINE,
         model_fingerprint=model.fingerprint,
         how=how,
         seconds=round(time.perf_counter() - t0, 2),
     )
+
+
+def _swap(model: ResolvedModel, apps: list[str]) -> dict[str, str]:
+    """Swap ``model`` into every engine at once and check each; returns the engines it did not take on, and why."""
+    started = {app: _handle(app).reload.remote(model.path, model.fingerprint) for app in apps}
+    bad: dict[str, str] = {}
+    for app, response in started.items():
+        try:
+            swap_s = response.result(timeout_s=1800)
+        except Exception as e:
+            bad[app] = f"{type(e).__name__}: {str(e)[:200]}"
+            continue
+        problem = verify(model, app)
+        if problem:
+            bad[app] = problem
+        else:
+            log.info("warm engines: %s loaded into %s in %.2f s and checked", model.source, app, swap_s)
+    return bad
+
+
+def _replace_all(model: ResolvedModel, settings: EngineSettings, old: list[str], new: list[str]) -> list[str]:
+    from ray import serve
+
+    for app in set(old) - set(new):  # fewer engines now: the others go
+        serve.delete(app)
+    _deploy(model, settings, new)
+    return new
 
 
 @contextlib.contextmanager

@@ -1,8 +1,9 @@
 """The Ray Data LLM stage that sends a run's request rows to the warm engine service.
 
 A warm run's processor is a Ray Data LLM ``Processor`` with one stage: this one takes the request rows the
-run's preprocess makes (chat messages with the image, sampling parameters) a batch at a time, and the warm
-replica (``engine_server.CaptionEngine``) runs them through the stages a cold run's processor would have -
+run's preprocess makes (chat messages with the image, sampling parameters) a batch at a time and hands each
+batch to the service's engine with the fewest of its batches in flight, whose replica
+(``engine_server.CaptionEngine``) runs them through the stages a cold run's processor would have -
 multimodal preparation, chat template, vLLM - and returns the same output rows. Its actor imports neither
 vLLM nor transformers, so a warm run starts in seconds. A row served by another checkpoint than the run's
 is an error row, never a caption; a replica that is gone fails the pass (``ledger``: EngineFailed).
@@ -21,21 +22,35 @@ class WarmEngineStageUDF(StatefulStageUDF):
         self,
         data_column: str,
         expected_input_keys: list[str],
-        app_name: str,
+        app_names: list[str],
         deployment_name: str,
         model_fingerprint: str,
     ):
         super().__init__(data_column, expected_input_keys)
         from ray import serve
 
-        self.handle = serve.get_deployment_handle(deployment_name, app_name)
+        self.handles = [serve.get_deployment_handle(deployment_name, app) for app in app_names]
+        self.in_flight = [0] * len(self.handles)
+        self.next = 0
         self.model_fingerprint = model_fingerprint
+
+    def _pick(self) -> int:
+        """The engine with the fewest of this actor's batches in flight (ties: in turn)."""
+        n = len(self.handles)
+        order = [(self.next + i) % n for i in range(n)]
+        self.next = (self.next + 1) % n
+        return min(order, key=lambda i: self.in_flight[i])
 
     async def udf(self, batch: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
         idx = [row[self.IDX_IN_BATCH_COLUMN] for row in batch]
-        out = await self.handle.caption_batch.remote(
-            [{k: v for k, v in r.items() if k != self.IDX_IN_BATCH_COLUMN} for r in batch]
-        )
+        engine = self._pick()
+        self.in_flight[engine] += 1
+        try:
+            out = await self.handles[engine].caption_batch.remote(
+                [{k: v for k, v in r.items() if k != self.IDX_IN_BATCH_COLUMN} for r in batch]
+            )
+        finally:
+            self.in_flight[engine] -= 1
         for i, row in zip(idx, out):  # the replica keeps the order of the rows it was given
             row[self.IDX_IN_BATCH_COLUMN] = i
             if not row.get("__inference_error__") and row.get("served_by") != self.model_fingerprint:

@@ -44,9 +44,9 @@ def _images(folder: Path, n: int) -> Path:
     return folder
 
 
-def _serve(env, log: Path) -> subprocess.Popen:
+def _serve(env, log: Path, *options: str) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [*CLI, "serve", "--device", "cpu", "--idle-timeout", "900"],
+        [*CLI, "serve", "--device", "cpu", "--idle-timeout", "900", *options],
         env=env,
         stdout=open(log, "w"),  # noqa: SIM115 - the service's output, read as it grows
         stderr=subprocess.STDOUT,
@@ -76,19 +76,26 @@ def test_two_checkpoints_through_warm_engines_equal_cold_runs(env, tmp_path):
 
     data = _images(tmp_path / "golden", 6)
     ckpt_b = build_builtin_model(tmp_path / "step-2000", seed=1)
-    serve = _serve(env, tmp_path / "serve.log")
+    # two engines, as a run with --concurrency 2 would have: a swap must reach both
+    serve = _serve(env, tmp_path / "serve.log", "--concurrency", "2")
     children = [p.pid for p in psutil.Process(serve.pid).children(recursive=True)]
     try:
-        common = ["--dataset", str(data), "--output", str(tmp_path / "out")]
+        # a batch per image, so that both engines caption
+        common = ["--dataset", str(data), "--output", str(tmp_path / "out"), "--batch-size", "1"]
         a = _run(env, *common, "--summary-json", str(tmp_path / "a.json"))
         b = _run(env, *common, "--model", str(ckpt_b), "--summary-json", str(tmp_path / "b.json"))
         status = subprocess.run([*CLI, "serve", "--status"], env=env, capture_output=True, text=True, timeout=300)
-        assert '"swaps": 1' in status.stdout, status.stdout + status.stderr
+        info = json.loads(status.stdout[status.stdout.index("{") :])
+        assert info["swaps"] == 1 and len(info["apps"]) == 2, status.stdout + status.stderr
+        engines = list(info["engines"].values())
     finally:
         stop = subprocess.run([*CLI, "serve", "--stop"], env=env, capture_output=True, text=True, timeout=300)
         serve.wait(timeout=120)
     assert a["engines"] == "warm (loaded)" and b["engines"] == "warm (swapped)"
     assert a["counts"]["captioned"] == b["counts"]["captioned"] == 6
+    # every row of B's one pass served by B's weights, whichever engine captioned it (a row an engine served
+    # with A's weights is an error row, and would have needed a second pass)
+    assert [(p["sent"], p["captioned"], p["failed"]) for p in b["passes"]] == [(6, 6, 0)]
 
     # the same checkpoints, cold: the run's own engines
     cold = ["--dataset", str(data), "--output", str(tmp_path / "cold"), "--warm-engines", "off"]
@@ -99,6 +106,9 @@ def test_two_checkpoints_through_warm_engines_equal_cold_runs(env, tmp_path):
     fp_a, fp_b = model_fingerprint(Path(env["CAPTIONFLOW_CACHE"]) / "models" / "builtin-v2"), model_fingerprint(ckpt_b)
     assert {r["model_fingerprint"] for r in _captions(a).values()} == {fp_a}
     assert {r["model_fingerprint"] for r in warm_rows.values()} == {fp_b} and fp_a != fp_b
+    # both engines hold B and captioned (12 rows: A's 6 and B's 6 between them)
+    assert [e["model_fingerprint"] for e in engines] == [fp_b, fp_b], engines
+    assert all(e["rows"] > 0 for e in engines) and sum(e["rows"] for e in engines) == 12, engines
     assert {r["caption"] for r in warm_rows.values()} != {r["caption"] for r in _captions(a).values()}
 
     # stopped: the command said so, its process and every process it started are gone, its address file too

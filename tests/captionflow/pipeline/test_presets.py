@@ -48,7 +48,8 @@ def test_gpu_layout_shares_each_gpu_between_the_engines_that_feed_it(builtin_mod
     assert e.gpu_share == 1.0 / e.engines_per_gpu and e.front_ends == 1
     assert e.engine_kwargs["kv_cache_memory_bytes"] == GPU.kv_cache_bytes  # fixed: they share the GPU
     assert e.engine_kwargs["renderer_num_workers"] >= 2 and e.engine_kwargs["mm_processor_cache_gb"] == 0
-    one = e.single_engine()  # the warm service's replica: one engine owns its GPU
+    assert e.service_engines() == (e, 2 * e.engines_per_gpu)  # the warm service: the same engines, kept warm
+    one = e.single_engine()  # one engine owns its GPU
     assert one.engines_per_gpu == 1 and one.gpu_share == 1.0 and one.concurrency == 2 and one.mps == "off"
     assert "kv_cache_memory_bytes" not in one.engine_kwargs  # alone on its GPU, it sizes its KV cache itself
     assert one.engine_kwargs["gpu_memory_utilization"] == GPU.engine_kwargs["gpu_memory_utilization"]
@@ -73,8 +74,8 @@ def test_front_ends_share_one_engine_per_gpu(builtin_model_dir):
     assert e.engine_kwargs["gpu_memory_utilization"] == GPU.engine_kwargs["gpu_memory_utilization"]
     default = resolve_engine(RunConfig(gpu_memory_gib=80), model, GPU, gpus=2)
     assert e.output_params() == default.output_params() and e.compile_dir == default.compile_dir  # same captions
-    one = e.single_engine()  # the warm service's replica: one engine, its own front end
-    assert (one.engines_per_gpu, one.front_ends, one.gpu_share, one.concurrency) == (1, 1, 1.0, 2)
+    one, n = e.service_engines()  # a warm replica holds an engine with its own front end: one per GPU
+    assert (one.engines_per_gpu, one.front_ends, one.gpu_share, one.concurrency, n) == (1, 1, 1.0, 2, 2)
     tp = resolve_engine(RunConfig(gpu_memory_gib=80, tensor_parallel_size=2, front_ends=3), model, GPU, gpus=2)
     assert tp.front_ends == 1 and tp.concurrency == 1  # a tensor-parallel engine keeps its one front end
     with pytest.raises(ValueError, match="engines_per_gpu 2 with front_ends 2"):
