@@ -41,6 +41,7 @@ busy %, GPU memory and host CPU busy % second by second.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -569,7 +570,7 @@ def _flow_timed(a, name: str, images: str, model: str, engine_kwargs: str, env: 
         return {"error": f"exit {proc.returncode}", "log_tail": log.read_text(errors="replace")[-4000:]}
     s = json.loads(summary.read_text())
     stamps, _, _ = commit_times(s["run_dir"])
-    board = sorted(out.glob("leaderboard/*.json"))
+    board = sorted(out.glob("leaderboard/*.json"), key=lambda f: f.stat().st_mtime)  # this run's row: the newest
     return {
         "verdict_s": round(t1 - t0, 2),
         "first_caption_after_s": round(stamps[0][0] - t0, 2) if stamps else None,
@@ -581,11 +582,62 @@ def _flow_timed(a, name: str, images: str, model: str, engine_kwargs: str, env: 
     }
 
 
+@contextlib.contextmanager
+def prefect_server(a: argparse.Namespace):
+    """A Prefect server for the verdict's runs, as a deployment's runs have one (``--prefect ephemeral``: none,
+    each ``captionflow run`` starts Prefect's temporary server of its own). Yields its API URL, or None."""
+    if a.prefect == "ephemeral":
+        yield None
+        return
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    home = Path(a.work) / "prefect-home"
+    shutil.rmtree(home, ignore_errors=True)
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    log = open(Path(a.work) / "prefect-server.log", "w")  # noqa: SIM115 - closed below
+    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        deadline = time.time() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if server.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"the Prefect server did not start: {Path(log.name).read_text()[-2000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
 def verdict(a: argparse.Namespace, sampler: GpuSampler) -> dict:
     """Wall seconds from ``captionflow run`` to its leaderboard row, ``--verdict-n`` images: cold (empty
     compile caches), a new checkpoint at a new path with the caches warm, a new checkpoint through warm
     engines (hot swap; the service started beforehand, its start reported apart), and the raw script's wall
-    time on the same images, start-up included."""
+    time on the same images, start-up included. The runs report to a Prefect server started once before the
+    phases, as a deployment's runs do (``--prefect ephemeral``: each run starts a temporary one)."""
+    with prefect_server(a) as api:
+        res = _verdict(a, sampler, {"PREFECT_API_URL": api} if api else {})
+    res["prefect"] = "server" if a.prefect == "server" else "ephemeral (one per run)"
+    return res
+
+
+def _verdict(a: argparse.Namespace, sampler: GpuSampler, prefect_env: dict) -> dict:
     images = _verdict_images(a)
     ckpt_a, ckpt_b, ckpt_c = _checkpoints(a)
     for root in ("out-verdict", "out-verdict-c"):
@@ -600,6 +652,7 @@ def verdict(a: argparse.Namespace, sampler: GpuSampler) -> dict:
         "TORCHINDUCTOR_CACHE_DIR": str(cc / "inductor"),
         "TRITON_CACHE_DIR": str(cc / "triton"),
         "CAPTIONFLOW_CACHE": str(Path(a.work) / "cf-cache"),  # its own service file
+        **prefect_env,
     }
     res: dict = {"n": len(list(Path(images).iterdir())), "checkpoints": [ckpt_a, ckpt_b, ckpt_c]}
     res["cold"] = _flow_timed(a, "cold", images, ckpt_a, kwargs, env)
@@ -775,6 +828,13 @@ def main() -> int:
         help="the verdict's second checkpoint (with --model); default: random-weight checkpoints of the stand-in",
     )
     ap.add_argument("--model-c", help="the verdict's third checkpoint (warm engines; default: --model-b)")
+    ap.add_argument(
+        "--prefect",
+        choices=["server", "ephemeral"],
+        default="server",
+        help="the verdict's runs report to a Prefect server started once (as deployments' runs do), or each "
+        "starts Prefect's temporary server",
+    )
     ap.add_argument("--phase-timeout", type=float, default=900)
     ap.add_argument("--work", help="working folder (default: a new temporary one)")
     ap.add_argument("--json", help="results file (default bench/results/gpu_throughput-<gpu>.json)")

@@ -36,6 +36,12 @@ KEY_LINES = [
     (re.compile(r"Avg prompt throughput|Avg generation throughput"), logging.INFO),
     (re.compile(r"^captionflow \d\d:\d\d:\d\d: "), logging.INFO),  # captionflow's own worker lines
 ]
+# worker lines that look like errors but are not the run's: dropped before KEY_LINES
+NOISE = [
+    # the GCS of a Ray that outlives runs (the warm engine service's) reaping a finished run's actors whose
+    # processes already exited
+    re.compile(r"gcs_actor_scheduler\.cc:\d+: Failed to kill actor .*Socket closed"),
+]
 _VLLM_PREFIX = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:INFO|WARNING|ERROR|DEBUG) \d\d-\d\d [\d:]+ \[[^\]]+\] ")
 
 # the current (lines, records) sinks, each a logging.Logger or LoggerAdapter; empty: forward nothing
@@ -44,6 +50,8 @@ _SINK: list[tuple[Any, Any]] = []
 
 def key_line(line: str) -> Optional[tuple[int, str]]:
     """(level, text) when a worker's output line is one of the key lines, else None."""
+    if any(p.search(line) for p in NOISE):
+        return None
     for pattern, level in KEY_LINES:
         if pattern.search(line):
             return level, _VLLM_PREFIX.sub("", line.strip())[:500]
