@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
-import json
 from collections.abc import Iterator
 from typing import Any
 
 from ray.llm._internal.batch.stages.base import StatefulStageUDF
 from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMEngineStage, vLLMEngineStageUDF
 
+from captionflow.fingerprint import digest
 from captionflow.workers import core_group
 
 
@@ -89,13 +88,7 @@ class SharedCoreEngineUDF(vLLMEngineStageUDF):
         import ray
 
         # a core is shared by the front ends of one run (Ray job), model and engine arguments
-        spec = hashlib.sha256(
-            json.dumps(
-                [ray.get_runtime_context().get_job_id(), kwargs.get("model"), kwargs.get("engine_kwargs")],
-                sort_keys=True,
-                default=str,
-            ).encode()
-        ).hexdigest()[:16]
+        spec = digest([ray.get_runtime_context().get_job_id(), kwargs.get("model"), kwargs.get("engine_kwargs")])
         self.member = core_group.join(core_group.groups_root() / group_folder(), spec, front_ends)
         if self.member.spawns:  # the host imports vLLM while this actor does
             core_group.spawn_host(self.member)
