@@ -28,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.gpu_throughput import random_checkpoint  # noqa: E402 - after the checkout is on the path
+
 
 def _stage_rate(a: argparse.Namespace, gpus: int, work: Path, extra: list[str]) -> dict:
     out = work / f"scaling-{gpus}.json"
@@ -61,14 +63,7 @@ def _parallel(a: argparse.Namespace, gpus: int, work: Path) -> dict:
     """A golden set preprocessed by a first run (checkpoint ``gpus + 1``), then checkpoint 0 alone on one GPU, then
     checkpoints 1..gpus at once on every GPU: every measured run evaluates a checkpoint the set has not seen."""
     images, model = work / "throughput" / "images", a.model or _standin(work)
-    ckpts = []
-    for seed in range(gpus + 2):
-        out = work / f"checkpoint-{seed}"
-        if not (out / "model.safetensors.index.json").exists():
-            shutil.rmtree(out, ignore_errors=True)
-            code = "import sys; from captionflow.builtin.standin import write_random_weights as w; w(*sys.argv[1:4])"
-            subprocess.run([sys.executable, "-c", code, model, str(out), str(seed), "cuda"], cwd=ROOT, check=True)
-        ckpts.append(str(out))
+    ckpts = [random_checkpoint(model, work / f"checkpoint-{seed}", seed, "cuda") for seed in range(gpus + 2)]
     root = work / "out-parallel"
     shutil.rmtree(root, ignore_errors=True)
     common = ["--dataset", str(images), "--output", str(root), "--device", "gpu", "--ignore-eos"]

@@ -543,18 +543,19 @@ def _checkpoints(a: argparse.Namespace) -> list[str]:
     if (model / "config.json").exists() and any(model.glob("*.safetensors")) and a.model_b:
         return [str(model), a.model_b, a.model_c or a.model_b]
     device = "cuda" if a.device == "gpu" else "cpu"
-    paths = []
-    for seed in (0, 1, 2):
-        out = Path(a.work) / f"checkpoint-seed{seed}"
-        if not (out / "model.safetensors.index.json").exists():
-            shutil.rmtree(out, ignore_errors=True)
-            t0 = time.time()
-            code = "import sys; from captionflow.builtin.standin import write_random_weights as w; w(*sys.argv[1:4])"
-            # in a child process: no CUDA context left in this one while the phases run
-            subprocess.run([sys.executable, "-c", code, str(model), str(out), str(seed), device], cwd=ROOT, check=True)
-            print(f"random checkpoint {out} in {time.time() - t0:.0f} s", flush=True)
-        paths.append(str(out))
-    return paths
+    return [random_checkpoint(str(model), Path(a.work) / f"checkpoint-seed{seed}", seed, device) for seed in (0, 1, 2)]
+
+
+def random_checkpoint(model: str, out: Path, seed: int, device: str) -> str:
+    """A checkpoint of ``model``'s architecture with random weights of ``seed`` at ``out`` (kept when there)."""
+    if not (out / "model.safetensors.index.json").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        t0 = time.time()
+        code = "import sys; from captionflow.builtin.standin import write_random_weights as w; w(*sys.argv[1:4])"
+        # in a child process: no CUDA context left in this one while the phases run
+        subprocess.run([sys.executable, "-c", code, model, str(out), str(seed), device], cwd=ROOT, check=True)
+        print(f"random checkpoint {out} in {time.time() - t0:.0f} s", flush=True)
+    return str(out)
 
 
 def _flow_timed(a, name: str, images: str, model: str, engine_kwargs: str, env: dict, root="out-verdict") -> dict:
@@ -580,6 +581,15 @@ def _flow_timed(a, name: str, images: str, model: str, engine_kwargs: str, env: 
         "engines": s.get("engines"),
         "timings_s": s.get("timings_s"),
     }
+
+
+def _stop(proc: subprocess.Popen, wait_s: float) -> None:
+    """SIGTERM, then SIGKILL if it has not ended within ``wait_s``."""
+    proc.terminate()
+    try:
+        proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 @contextlib.contextmanager
@@ -617,11 +627,7 @@ def prefect_server(a: argparse.Namespace):
             time.sleep(1)
         yield url
     finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        _stop(server, 60)
         log.close()
 
 
@@ -677,11 +683,7 @@ def _verdict(a: argparse.Namespace, sampler: GpuSampler, prefect_env: dict) -> d
             root = "out-verdict" if ckpt_c not in (ckpt_a, ckpt_b) else "out-verdict-c"
             res["warm_engines"] = _flow_timed(a, "warm-engines", images, ckpt_c, kwargs, env, root)
     finally:
-        server.terminate()
-        try:
-            server.wait(120)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        _stop(server, 120)
     raw = run_phase(
         "raw", argparse.Namespace(**{**vars(a), "images": images, "model": ckpt_a, "engine_kwargs": kwargs}), sampler
     )
