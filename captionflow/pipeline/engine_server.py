@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any
+from typing import Any, Optional
 
 DATA = "__data"
 PREPARED = ("multimodal_data", "multimodal_uuids", "prompt")  # made here, not sent back (the decoded images)
@@ -48,6 +48,18 @@ def checkpoint_digest(model_path: str, dtype: str, rows: int = DIGEST_ROWS) -> s
                     part = fh.get_slice(key)[:rows].to(getattr(torch, dtype)).contiguous()
                     return hashlib.sha256(part.view(torch.uint8).numpy()).hexdigest()
     return ""
+
+
+def weights_problem(model_path: str, loaded: tuple[str, str]) -> Optional[str]:
+    """None when ``loaded`` (``weights_digest``'s (dtype, digest) of an engine) is ``model_path``'s embedding,
+    else why not."""
+    dtype, got = loaded
+    if not got:
+        return "the engine's embedding could not be read"
+    want = checkpoint_digest(model_path, dtype)
+    if not want:
+        return f"no embedding in {model_path}'s safetensors files to check against"
+    return None if got == want else f"the engine's embedding ({got[:12]}) is not {model_path}'s ({want[:12]})"
 
 
 class CaptionEngine:
@@ -103,6 +115,11 @@ class CaptionEngine:
         """(dtype, digest) of the loaded embedding (rank 0)."""
         results = await self.llm.engine.collective_rpc(_embedding_digest)
         return tuple(results[0])
+
+    async def check(self, model_path: str) -> Optional[str]:
+        """None when this engine holds ``model_path``'s weights, else why not: the loaded embedding against the
+        file's, both read here, where torch is loaded already (a run's driver need not import it)."""
+        return weights_problem(model_path, await self.weights_digest())
 
     async def loaded(self) -> dict[str, Any]:
         return {

@@ -11,9 +11,12 @@ out with ``__inference_error__`` instead of failing the batch (``should_continue
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
-from collections.abc import Callable
+import math
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -32,6 +35,28 @@ def map_task_kwargs(preset: Preset) -> dict[str, Any]:
     return {"num_cpus": preset.map_cpus, "compute": ray.data.TaskPoolStrategy(size=preset.map_concurrency)}
 
 
+FOOTER_ACTORS = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"  # Ray Data's pool that reads the Parquet footers
+FOOTER_BATCH = 10  # files per footer-reading call (Ray Data's RAY_DATA_PARQUET_FOOTER_BATCH_SIZE default)
+FOOTER_ACTORS_MAX = 32  # Ray Data's default pool size
+
+
+@contextlib.contextmanager
+def footer_readers(n_files: int) -> Iterator[int]:
+    """Ray Data 2.60 lists Parquet files by reading their footers on a pool of actors, 32 by default, each a
+    worker process: a few shards paid seconds of process starts before the first row (most of a warm run's
+    wait). The pool sized to the files (one actor per footer batch, at most Ray's default) while ``read_parquet``
+    plans the read; a value the user set is kept."""
+    if os.environ.get(FOOTER_ACTORS):
+        yield int(os.environ[FOOTER_ACTORS])
+        return
+    n = max(1, min(FOOTER_ACTORS_MAX, math.ceil(n_files / FOOTER_BATCH)))
+    os.environ[FOOTER_ACTORS] = str(n)
+    try:
+        yield n
+    finally:
+        os.environ.pop(FOOTER_ACTORS, None)
+
+
 def read_pending(fs, shard_paths: list[str], columns: list[str], pending: list[str], engine: EngineSettings):
     """A Ray dataset of the dataset shards' rows whose image_id is in ``pending``.
 
@@ -44,13 +69,14 @@ def read_pending(fs, shard_paths: list[str], columns: list[str], pending: list[s
 
     preset = engine.preset
     # pyarrow's own S3 filesystem ignores AWS_ENDPOINT_URL: hand Ray the fsspec one explicitly.
-    ds = ray.data.read_parquet(
-        shard_paths,
-        filesystem=PyFileSystem(FSSpecHandler(fs)),
-        columns=columns,
-        num_cpus=preset.map_cpus,
-        concurrency=preset.map_concurrency,
-    )
+    with footer_readers(len(shard_paths)):
+        ds = ray.data.read_parquet(
+            shard_paths,
+            filesystem=PyFileSystem(FSSpecHandler(fs)),
+            columns=columns,
+            num_cpus=preset.map_cpus,
+            concurrency=preset.map_concurrency,
+        )
     ds = ds.map_batches(
         functools.partial(keep_pending, pending=pa.array(pending, pa.string())),
         batch_format="pyarrow",

@@ -15,7 +15,7 @@ and the engine code are the same as a run's own engine and the captions equal a 
 
 A run whose checkpoint has the loaded architecture and engine settings (``engine_spec``) has its weights
 loaded into every running engine at once (vLLM ``reload_weights``), each checked against the checkpoint's
-file (``engine_server.checkpoint_digest``); an engine whose swap fails or does not check is replaced, never
+file (``engine_server.weights_problem``); an engine whose swap fails or does not check is replaced, never
 used. Another architecture or other settings replace the engines. Each caption row records the checkpoint
 that served it.
 
@@ -219,15 +219,7 @@ def _handle(app: str):
 
 def verify(model: ResolvedModel, app: str) -> Optional[str]:
     """None when ``app``'s engine holds ``model``'s weights, else why not (its embedding against the file's)."""
-    from captionflow.pipeline.engine_server import checkpoint_digest
-
-    dtype, got = _handle(app).weights_digest.remote().result(timeout_s=300)
-    if not got:
-        return "the engine's embedding could not be read"
-    want = checkpoint_digest(model.path, dtype)
-    if not want:
-        return f"no embedding in {model.path}'s safetensors files to check against"
-    return None if got == want else f"the engine's embedding ({got[:12]}) is not {model.path}'s ({want[:12]})"
+    return _handle(app).check.remote(model.path).result(timeout_s=300)
 
 
 # ---------------------------------------------------------------- starting, finding, stopping
