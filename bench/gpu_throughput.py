@@ -571,16 +571,57 @@ def _flow_timed(a, name: str, images: str, model: str, engine_kwargs: str, env: 
         return {"error": f"exit {proc.returncode}", "log_tail": log.read_text(errors="replace")[-4000:]}
     s = json.loads(summary.read_text())
     stamps, _, _ = commit_times(s["run_dir"])
-    board = sorted(out.glob("leaderboard/*.json"), key=lambda f: f.stat().st_mtime)  # this run's row: the newest
+    ds, model_fp, gen = s["run_dir"].rstrip("/").split("/")[-3:]
+    row = out / "leaderboard" / f"{ds}-{model_fp}-{gen}.json"  # this run's own row (captionflow/report.py)
     return {
         "verdict_s": round(t1 - t0, 2),
         "first_caption_after_s": round(stamps[0][0] - t0, 2) if stamps else None,
         "last_caption_after_s": round(stamps[-1][0] - t0, 2) if stamps else None,
-        "leaderboard_row_after_s": round(board[-1].stat().st_mtime - t0, 2) if board else None,
+        "leaderboard_row_after_s": round(row.stat().st_mtime - t0, 2) if row.exists() else None,
+        "timeline_s": timeline(log.read_text(errors="replace"), t0),
         "captioned": s["counts"]["captioned"],
         "engines": s.get("engines"),
         "timings_s": s.get("timings_s"),
     }
+
+
+# what a run's log says, by the first line that says it (Prefect's console lines carry the local time of day,
+# Ray's the local date and time)
+DAY_TIME = r"^(\d\d:\d\d:\d\d\.\d+) \| INFO "  # Prefect
+DATE_TIME = r"^\S* ?(\d\d\d\d-\d\d-\d\d \d\d:\d\d:\d\d,\d+)\s+INFO "  # Ray
+TIMELINE = {
+    "flow_begins": re.compile(DAY_TIME + r".*Beginning flow run"),
+    "preprocess_done": re.compile(DAY_TIME + r".*Task run 'preprocess-.*Finished"),
+    "warm_engines_loaded": re.compile(DAY_TIME + r".*warm engines: .* loaded into .* and checked"),  # the last
+    "dataset_starts": re.compile(DATE_TIME + r".*Starting execution of Dataset"),
+    "dataset_ends": re.compile(DATE_TIME + r".*Dataset .* execution finished"),
+    "flow_ends": re.compile(DAY_TIME + r".*Flow run .* Finished in state"),
+}
+
+
+def timeline(text: str, t0: float) -> dict:
+    """Seconds after ``t0`` (the command's start) at which the run's log first says each of ``TIMELINE`` (the
+    engines loaded: when the last of them says so)."""
+    import datetime as dt
+
+    day = dt.date.fromtimestamp(t0)
+    out: dict = {}
+    for line in text.splitlines():
+        for key, pattern in TIMELINE.items():
+            if key in out and key != "warm_engines_loaded":
+                continue
+            m = pattern.search(line)
+            if not m:
+                continue
+            stamp = m.group(1)
+            if "-" in stamp:
+                when = dt.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            else:
+                when = dt.datetime.combine(day, dt.time.fromisoformat(stamp)).timestamp()
+                if when < t0 - 3600:  # past midnight
+                    when += 86400
+            out[key] = round(when - t0, 2)
+    return dict(sorted(out.items(), key=lambda kv: kv[1]))
 
 
 def _stop(proc: subprocess.Popen, wait_s: float) -> None:
@@ -661,9 +702,33 @@ def _verdict(a: argparse.Namespace, sampler: GpuSampler, prefect_env: dict) -> d
         **prefect_env,
     }
     res: dict = {"n": len(list(Path(images).iterdir())), "checkpoints": [ckpt_a, ckpt_b, ckpt_c]}
-    res["cold"] = _flow_timed(a, "cold", images, ckpt_a, kwargs, env)
-    res["warm_cache"] = _flow_timed(a, "warm-cache", images, ckpt_b, kwargs, env)
-    # warm engines: a service on checkpoint A, then a run of checkpoint C (swapped in)
+    todo = set(a.verdict_phases.split(","))
+    if "cold" in todo:
+        res["cold"] = _flow_timed(a, "cold", images, ckpt_a, kwargs, env)
+    if "warm_cache" in todo:
+        res["warm_cache"] = _flow_timed(a, "warm-cache", images, ckpt_b, kwargs, env)
+    if "warm_engines" in todo:
+        _warm_engines(a, res, images, ckpt_a, ckpt_c, kwargs, env, cc)
+    raw = {}
+    if "raw" in todo:
+        args = argparse.Namespace(**{**vars(a), "images": images, "model": ckpt_a, "engine_kwargs": kwargs})
+        raw = run_phase("raw", args, sampler)
+        keep = ("wall_s", "import_s", "engine_start_s", "images_per_s", "error", "log_tail")
+        res["raw"] = {k: raw.get(k) for k in keep}
+    # the verdict: run start to its leaderboard row (the answer is known then); the command's exit after it is
+    # each phase's verdict_s
+    res["summary"] = {
+        "cold_s": res.get("cold", {}).get("leaderboard_row_after_s"),
+        "warm_cache_s": res.get("warm_cache", {}).get("leaderboard_row_after_s"),
+        "warm_engines_s": res.get("warm_engines", {}).get("leaderboard_row_after_s"),
+        "raw_wall_s": raw.get("wall_s"),
+        "exit_s": {k: res[k].get("verdict_s") for k in ("cold", "warm_cache", "warm_engines") if k in res},
+    }
+    return res
+
+
+def _warm_engines(a, res: dict, images: str, ckpt_a: str, ckpt_c: str, kwargs: str, env: dict, cc: Path) -> None:
+    """A service on checkpoint A, then a run of checkpoint C (swapped in)."""
     serve_log = Path(a.work) / "phase-verdict-serve.log"
     serve_cmd = [sys.executable, "-m", "flows.cli", "serve", "--model", ckpt_a, "--device", a.device]
     serve_cmd += ["--max-pixels", str(a.max_pixels), "--max-image-side", str(a.max_image_side)]
@@ -679,22 +744,14 @@ def _verdict(a: argparse.Namespace, sampler: GpuSampler, prefect_env: dict) -> d
             time.sleep(1)
         else:
             res["service_start_s"] = round(time.time() - t0, 2)
+            if "cold" not in res and "warm_cache" not in res:
+                # nothing preprocessed the golden set yet: a run of the loaded checkpoint A does (no swap)
+                res["warm_engines_a_first"] = _flow_timed(a, "warm-engines-a", images, ckpt_a, kwargs, env)
             # a checkpoint the golden set has not seen (else its captions are already committed there)
-            root = "out-verdict" if ckpt_c not in (ckpt_a, ckpt_b) else "out-verdict-c"
+            root = "out-verdict" if ckpt_c not in res["checkpoints"][:2] else "out-verdict-c"
             res["warm_engines"] = _flow_timed(a, "warm-engines", images, ckpt_c, kwargs, env, root)
     finally:
         _stop(server, 120)
-    raw = run_phase(
-        "raw", argparse.Namespace(**{**vars(a), "images": images, "model": ckpt_a, "engine_kwargs": kwargs}), sampler
-    )
-    res["raw"] = {k: raw.get(k) for k in ("wall_s", "import_s", "engine_start_s", "images_per_s", "error", "log_tail")}
-    res["summary"] = {
-        "cold_s": res["cold"].get("verdict_s"),
-        "warm_cache_s": res["warm_cache"].get("verdict_s"),
-        "warm_engines_s": res.get("warm_engines", {}).get("verdict_s"),
-        "raw_wall_s": raw.get("wall_s"),
-    }
-    return res
 
 
 PHASES = {"raw": phase_raw, "stage": phase_stage, "flow": phase_flow}
@@ -825,6 +882,11 @@ def main() -> int:
         help="raw, stage, flow (throughput, N images) and verdict (run start to leaderboard row, --verdict-n images)",
     )
     ap.add_argument("--verdict-n", type=int, default=5000, help="images of the verdict phase (the first of the set)")
+    ap.add_argument(
+        "--verdict-phases",
+        default="cold,warm_cache,warm_engines,raw",
+        help="which of the verdict's runs (a lease too short for all of them: the ones that changed)",
+    )
     ap.add_argument(
         "--model-b",
         help="the verdict's second checkpoint (with --model); default: random-weight checkpoints of the stand-in",
