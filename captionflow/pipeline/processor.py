@@ -1,6 +1,6 @@
 """The Ray Data LLM pipeline of one LLM stage: the rows still to do in, fixed-schema result rows out.
 
-    read_parquet(dataset shards) -> keep pending ids -> re-block
+    read the pending rows of each dataset shard -> re-block
     -> build_processor: [preprocess (request rows) -> PrepareMultimodalStage -> ChatTemplateStage
        (-> TokenizeStage) -> vLLMEngineStage (-> DetokenizeStage) -> postprocess] -> fixed schema
 
@@ -11,21 +11,19 @@ out with ``__inference_error__`` instead of failing the batch (``should_continue
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import math
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
 
 from captionflow.compat.cuda_mps import ensure_mps
+from captionflow.compat.driver_imports import without_vllm
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.presets import Preset
 from captionflow.pipeline.session import WORKER_ENV, keep_sigterm
-from captionflow.workers.llm_rows import keep_pending
+from captionflow.workers.llm_rows import read_pending_rows
 
 
 def map_task_kwargs(preset: Preset) -> dict[str, Any]:
@@ -35,50 +33,23 @@ def map_task_kwargs(preset: Preset) -> dict[str, Any]:
     return {"num_cpus": preset.map_cpus, "compute": ray.data.TaskPoolStrategy(size=preset.map_concurrency)}
 
 
-FOOTER_ACTORS = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"  # Ray Data's pool that reads the Parquet footers
-FOOTER_BATCH = 10  # files per footer-reading call (Ray Data's RAY_DATA_PARQUET_FOOTER_BATCH_SIZE default)
-FOOTER_ACTORS_MAX = 32  # Ray Data's default pool size
-
-
-@contextlib.contextmanager
-def footer_readers(n_files: int) -> Iterator[int]:
-    """Ray Data 2.60 lists Parquet files by reading their footers on a pool of actors, 32 by default, each a
-    worker process: a few shards paid seconds of process starts before the first row (most of a warm run's
-    wait). The pool sized to the files (one actor per footer batch, at most Ray's default) while ``read_parquet``
-    plans the read; a value the user set is kept."""
-    if os.environ.get(FOOTER_ACTORS):
-        yield int(os.environ[FOOTER_ACTORS])
-        return
-    n = max(1, min(FOOTER_ACTORS_MAX, math.ceil(n_files / FOOTER_BATCH)))
-    os.environ[FOOTER_ACTORS] = str(n)
-    try:
-        yield n
-    finally:
-        os.environ.pop(FOOTER_ACTORS, None)
-
-
 def read_pending(fs, shard_paths: list[str], columns: list[str], pending: list[str], engine: EngineSettings):
     """A Ray dataset of the dataset shards' rows whose image_id is in ``pending``.
 
-    Re-blocked to one batch of rows per block (a streaming split, no shuffle): a shard is one Parquet
-    block of up to ``shard_rows`` rows, and without the split the engine would only see - and the
-    driver only commit - whole shards, so nothing would stream and a kill would lose a shard.
+    One read task per shard, named by the manifest: no listing. (Ray Data 2.60's ``read_parquet`` first lists
+    the files in a task of its own that reads their footers on a pool of actors: two process starts one after
+    the other before the first row, 10-15 s of a warm run on the GPU host while the run's other workers
+    started.) Re-blocked to one batch of rows per block (a streaming split, no shuffle): a shard is one block
+    of up to ``shard_rows`` rows, and without the split the engine would only see - and the driver only
+    commit - whole shards, so nothing would stream and a kill would lose a shard.
     """
     import ray
-    from pyarrow.fs import FSSpecHandler, PyFileSystem
 
     preset = engine.preset
-    # pyarrow's own S3 filesystem ignores AWS_ENDPOINT_URL: hand Ray the fsspec one explicitly.
-    with footer_readers(len(shard_paths)):
-        ds = ray.data.read_parquet(
-            shard_paths,
-            filesystem=PyFileSystem(FSSpecHandler(fs)),
-            columns=columns,
-            num_cpus=preset.map_cpus,
-            concurrency=preset.map_concurrency,
-        )
+    ds = ray.data.from_items([{"shard": p} for p in shard_paths], override_num_blocks=max(len(shard_paths), 1))
     ds = ds.map_batches(
-        functools.partial(keep_pending, pending=pa.array(pending, pa.string())),
+        functools.partial(read_pending_rows, fs=fs, columns=columns, pending=pa.array(pending, pa.string())),
+        batch_size=1,
         batch_format="pyarrow",
         **map_task_kwargs(preset),
     )
@@ -130,7 +101,7 @@ def build_vlm_processor(
         **extra,
     )
     map_kwargs = map_task_kwargs(preset)
-    with keep_sigterm():  # building a processor calls ray.init again
+    with keep_sigterm(), without_vllm():  # building a processor calls ray.init again; no vLLM in the driver
         if warm is not None:  # the same settings; the stages run warm in the service's replica (warm_stage.py)
             return _warm_processor(config, warm, engine, preprocess, postprocess, map_kwargs)
         processor = build_processor(

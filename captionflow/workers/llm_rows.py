@@ -67,6 +67,18 @@ def keep_pending(batch: pa.Table, *, pending: pa.Array) -> pa.Table:
     return batch.filter(pc.is_in(batch["image_id"], value_set=pending))
 
 
+def read_pending_rows(batch: pa.Table, *, fs, columns: list[str], pending: pa.Array) -> pa.Table:
+    """Read: the ``pending`` rows (``columns``) of the dataset shards named in ``batch["shard"]`` (``fs``: the
+    output root's fsspec filesystem)."""
+    import pyarrow.parquet as pq
+
+    tables = []
+    for path in batch["shard"].to_pylist():
+        with fs.open(path, "rb") as fh:
+            tables.append(keep_pending(pq.read_table(fh, columns=columns), pending=pending))
+    return pa.concat_tables(tables) if tables else pa.table({c: [] for c in columns})
+
+
 # ---------------------------------------------------------------- captioning
 def caption_request(
     row: dict, *, system_prompt: str, prompt: str, sampling: dict, fail_ids: frozenset, grid=None

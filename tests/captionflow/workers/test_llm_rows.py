@@ -48,7 +48,7 @@ def test_inference_and_judge_hand_ray_the_light_functions():
     import captionflow.pipeline.processor as processor
 
     assert inference.caption_request.__module__ == "captionflow.workers.llm_rows"
-    assert processor.keep_pending.__module__ == "captionflow.workers.llm_rows"
+    assert processor.read_pending_rows.__module__ == "captionflow.workers.llm_rows"
     assert judge.judge_request.__module__ == "captionflow.workers.llm_rows"
 
 
