@@ -140,11 +140,19 @@ def _warm_processor(config, warm, engine: EngineSettings, preprocess, postproces
             "runtime_env": {"env_vars": dict(WORKER_ENV)},
         },
     )
+    # The requests are built here, by the run, while the service's engines are up from the first second: no
+    # backlog builds up while engines start, as in a cold run. At the plain maps' 4 tasks the H100's 4 warm
+    # engines waited on them (verdict run, 5,000 images: ~340 requests/s built, 117 blocks queued before
+    # them): two per engine.
+    preprocess_kwargs = {
+        **map_kwargs,
+        "compute": ray.data.TaskPoolStrategy(size=max(engine.preset.map_concurrency, 2 * len(warm.apps))),
+    }
     return Processor(
         config,
         [stage],
         preprocess=preprocess,
         postprocess=postprocess,
-        preprocess_map_kwargs=map_kwargs,
+        preprocess_map_kwargs=preprocess_kwargs,
         postprocess_map_kwargs=map_kwargs,
     )
