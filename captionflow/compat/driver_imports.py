@@ -8,6 +8,7 @@ engine stage's actors import the module again in their own processes, where vLLM
 ``without_vllm`` makes ``import vllm`` fail in this process while a processor is built, so that module
 falls back to its own default (no fatal error classes, in the driver only). A process that has vLLM
 imported already (a warm engine's replica) is left as it is.
+Can go when Ray Data LLM imports vLLM's error classes where they are used, not when its stage module loads.
 """
 
 from __future__ import annotations

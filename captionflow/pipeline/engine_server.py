@@ -85,17 +85,19 @@ class CaptionEngine:
         self.rows = 0  # rows captioned since the replica started
 
     async def caption_batch(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Request rows (what a run's preprocess gives) through every stage; the engine's output rows."""
+        """Request rows (what a run's preprocess gives) through every stage; what the stages added to each row
+        (the engine's outputs, an error), in the order given. The run's engine stage merges them into the rows
+        it holds (Ray Data LLM's stage contract), so the columns it sent - the image among them - and what
+        was prepared here from them (``PREPARED``) do not travel back."""
         served_by = self.model_fingerprint
+        sent = set().union(*(r.keys() for r in rows)) if rows else set()
         for udf in self.udfs:
             async for out in udf({DATA: rows}):
                 rows = out[DATA]
-        for row in rows:
-            for key in PREPARED:
-                row.pop(key, None)
-            row["served_by"] = served_by
-        self.rows += len(rows)
-        return rows
+        drop = sent | set(PREPARED)
+        added = [{**{k: v for k, v in row.items() if k not in drop}, "served_by": served_by} for row in rows]
+        self.rows += len(added)
+        return added
 
     async def reload(self, model_path: str, model_fingerprint: str) -> float:
         """Load another checkpoint of the same architecture into the running engine; returns the seconds."""
