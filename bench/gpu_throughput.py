@@ -571,8 +571,9 @@ def _flow_timed(a, name: str, images: str, model: str, engine_kwargs: str, env: 
         return {"error": f"exit {proc.returncode}", "log_tail": log.read_text(errors="replace")[-4000:]}
     s = json.loads(summary.read_text())
     stamps, _, _ = commit_times(s["run_dir"])
-    ds, model_fp, gen = s["run_dir"].rstrip("/").split("/")[-3:]
-    row = out / "leaderboard" / f"{ds}-{model_fp}-{gen}.json"  # this run's own row (captionflow/report.py)
+    from captionflow.report import ROWS, row_file
+
+    row = out / ROWS / row_file(*s["run_dir"].rstrip("/").split("/")[-3:])  # this run's own row
     return {
         "verdict_s": round(t1 - t0, 2),
         "first_caption_after_s": round(stamps[0][0] - t0, 2) if stamps else None,
@@ -592,23 +593,24 @@ DATE_TIME = r"^\S* ?(\d\d\d\d-\d\d-\d\d \d\d:\d\d:\d\d,\d+)\s+INFO "  # Ray
 TIMELINE = {
     "flow_begins": re.compile(DAY_TIME + r".*Beginning flow run"),
     "preprocess_done": re.compile(DAY_TIME + r".*Task run 'preprocess-.*Finished"),
-    "warm_engines_loaded": re.compile(DAY_TIME + r".*warm engines: .* loaded into .* and checked"),  # the last
+    "warm_engines_loaded": re.compile(DAY_TIME + r".*warm engines: .* loaded into .* and checked"),
     "dataset_starts": re.compile(DATE_TIME + r".*Starting execution of Dataset"),
     "dataset_ends": re.compile(DATE_TIME + r".*Dataset .* execution finished"),
     "flow_ends": re.compile(DAY_TIME + r".*Flow run .* Finished in state"),
 }
+TIMELINE_LAST = {"warm_engines_loaded"}  # said once per engine: when the last one says it
 
 
 def timeline(text: str, t0: float) -> dict:
-    """Seconds after ``t0`` (the command's start) at which the run's log first says each of ``TIMELINE`` (the
-    engines loaded: when the last of them says so)."""
+    """Seconds after ``t0`` (the command's start) at which the run's log first says each of ``TIMELINE`` (last,
+    for ``TIMELINE_LAST``)."""
     import datetime as dt
 
     day = dt.date.fromtimestamp(t0)
     out: dict = {}
     for line in text.splitlines():
         for key, pattern in TIMELINE.items():
-            if key in out and key != "warm_engines_loaded":
+            if key in out and key not in TIMELINE_LAST:
                 continue
             m = pattern.search(line)
             if not m:

@@ -18,8 +18,13 @@ ROW_FIELDS = ("n_captions", "failure_rate", "bleu_4", "rouge_l", "cider", "meteo
 ROWS = "leaderboard"  # one JSON file per (dataset, model, generation): each run writes only its own
 
 
+def row_file(dataset_fp: str, model_fp: str, generation_fp: str) -> str:
+    """The name of a run's row file under ``ROWS``: its run folder's three fingerprints (layout.run_parts)."""
+    return f"{dataset_fp}-{model_fp}-{generation_fp}.json"
+
+
 def _row_name(row: dict) -> str:
-    return f"{row['dataset_fingerprint']}-{row['model_fingerprint']}-{row['generation_fingerprint']}.json"
+    return row_file(row["dataset_fingerprint"], row["model_fingerprint"], row["generation_fingerprint"])
 
 
 def evaluated_as(store: Store, run_dir: str, model: str) -> Optional[str]:
