@@ -2,8 +2,8 @@
 
 Ray 2.60's engine stage module (``ray.llm._internal.batch.stages.vllm_engine_stage``) imports
 ``ray.llm._internal.common.errors``, which imports ``vllm.v1.engine.exceptions`` only to learn vLLM's fatal
-error classes - and with it all of vLLM: 25 s of every per-run-engine run's driver on the GPU host, before
-the first engine is even asked for (and ~3 s on a 2-core CPU VM). The driver never runs an engine: the
+error classes - and with it all of vLLM, seconds to tens of seconds of every run's driver before the first
+engine is even asked for (docs/benchmarks.md). The driver never runs an engine: the
 engine stage's actors import the module again in their own processes, where vLLM is imported anyway.
 ``without_vllm`` makes ``import vllm`` fail in this process while a processor is built, so that module
 falls back to its own default (no fatal error classes, in the driver only). A process that has vLLM

@@ -36,12 +36,12 @@ def map_task_kwargs(preset: Preset) -> dict[str, Any]:
 def read_pending(fs, shard_paths: list[str], columns: list[str], pending: list[str], engine: EngineSettings):
     """A Ray dataset of the dataset shards' rows whose image_id is in ``pending``.
 
-    One read task per shard, named by the manifest: no listing. (Ray Data 2.60's ``read_parquet`` first lists
+    One read task per shard, named by the manifest: no listing (Ray Data 2.60's ``read_parquet`` first lists
     the files in a task of its own that reads their footers on a pool of actors: two process starts one after
-    the other before the first row, 10-15 s of a warm run on the GPU host while the run's other workers
-    started.) Re-blocked to one batch of rows per block (a streaming split, no shuffle): a shard is one block
-    of up to ``shard_rows`` rows, and without the split the engine would only see - and the driver only
-    commit - whole shards, so nothing would stream and a kill would lose a shard.
+    the other before the first row; docs/sizing.md). Re-blocked to one batch of rows per block (a streaming
+    split, no shuffle): a shard is one block of up to ``shard_rows`` rows, and without the split the engine
+    would only see - and the driver only commit - whole shards, so nothing would stream and a kill would lose a
+    shard.
     """
     import ray
 
@@ -141,9 +141,8 @@ def _warm_processor(config, warm, engine: EngineSettings, preprocess, postproces
         },
     )
     # The requests are built here, by the run, while the service's engines are up from the first second: no
-    # backlog builds up while engines start, as in a cold run. At the plain maps' 4 tasks the H100's 4 warm
-    # engines waited on them (verdict run, 5,000 images: ~340 requests/s built, 117 blocks queued before
-    # them): two per engine.
+    # backlog builds up while engines start, as in a cold run, so two tasks per engine build them
+    # (docs/sizing.md).
     preprocess_kwargs = {
         **map_kwargs,
         "compute": ray.data.TaskPoolStrategy(size=max(engine.preset.map_concurrency, 2 * len(warm.apps))),
