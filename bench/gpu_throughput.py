@@ -595,6 +595,9 @@ TIMELINE = {
     "preprocess_done": re.compile(DAY_TIME + r".*Task run 'preprocess-.*Finished"),
     "warm_engines_loaded": re.compile(DAY_TIME + r".*warm engines: .* loaded into .* and checked"),
     "dataset_starts": re.compile(DATE_TIME + r".*Starting execution of Dataset"),
+    # a warm run's engine stage (pipeline/warm_stage.py: READY, FIRST_BACK)
+    "warm_stage_ready": re.compile(DAY_TIME + r".*warm stage: handles to"),
+    "warm_first_batch_back": re.compile(DAY_TIME + r".*warm stage: first batch back"),
     "dataset_ends": re.compile(DATE_TIME + r".*Dataset .* execution finished"),
     "flow_ends": re.compile(DAY_TIME + r".*Flow run .* Finished in state"),
 }

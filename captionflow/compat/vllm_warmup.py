@@ -16,8 +16,9 @@ modules in ``PATCHES`` are imported later in a worker, (1) ``InputProcessor`` is
 constructed (before the engine core - a separate process - has loaded and compiled the model), a
 background thread asks the renderer's multimodal processor for its HF processor with the request
 path's arguments - the first request then finds it in vLLM's cache; (2) ``AsyncLLM`` logs the moment
-it is ready to take requests (``ACCEPTING``), which the GPU benchmark reads, and renders requests on its
-renderer's threads instead of its event loop (``render_off_loop``). If anything here fails,
+it is ready to take requests (``ACCEPTING``), which the GPU benchmark reads, renders requests on its
+renderer's threads instead of its event loop (``render_off_loop``) and asks for each request's final output
+only (``final_outputs_only``). If anything here fails,
 vLLM builds the processor on the first request, as it would without this.
 """
 
@@ -30,12 +31,13 @@ import sys
 import threading
 import time
 
+from captionflow.workers import worker_log
+
 SETUP_HOOK = "captionflow.compat.vllm_warmup.install"
 THREAD_NAME = "captionflow-processor-warmup"
 
 
-def _say(msg: str) -> None:  # to the worker's log file (Ray keeps each worker's stderr)
-    print(f"captionflow {time.strftime('%H:%M:%S')}: {msg}", file=sys.stderr, flush=True)
+_say = worker_log.say
 
 
 def start_warmup(renderer) -> threading.Thread | None:
@@ -81,12 +83,34 @@ def patch_input_processor(module) -> bool:
 def patch_async_llm(module) -> bool:
     """Log when an ``AsyncLLM`` (the engine front end Ray Data LLM drives) is ready to take requests:
     ``ACCEPTING`` and the Unix time, which bench/gpu_throughput.py reads (raw vLLM's counterpart is
-    ``LLM()`` returning); and render its requests off the event loop (``render_off_loop``)."""
+    ``LLM()`` returning); render its requests off the event loop (``render_off_loop``); send back only
+    their final outputs (``final_outputs_only``)."""
     cls = getattr(module, "AsyncLLM", None)
     if cls is not None and not getattr(cls, "_captionflow_patched", False):
         _wrap_init(cls, lambda self: _say(f"{ACCEPTING} {time.time():.3f}"))
         render_off_loop(cls)
+        final_outputs_only(cls)
     return cls is not None
+
+
+def final_outputs_only(cls) -> None:
+    """Ray Data LLM (2.60) reads only the finished output of each request (``vllm_engine_stage._generate_async``
+    skips the rest) but sends vLLM's default sampling parameters, which ask for the whole text so far after
+    every token: per request and token the front end builds a ``RequestOutput``, queues it and wakes the
+    waiting coroutine, all on the event loop that also feeds the engine. ``vllm.LLM`` asks for the final output
+    only (``FINAL_ONLY``); so do requests through here. The captions are the same (the finished output is
+    built from the same detokenised text). Can go when Ray Data LLM asks for ``FINAL_ONLY`` itself."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    add_request = cls.add_request
+
+    @functools.wraps(add_request)
+    async def add_request_final_only(self, request_id, prompt, params, *args, **kwargs):
+        if isinstance(params, SamplingParams) and params.output_kind == RequestOutputKind.CUMULATIVE:
+            params.output_kind = RequestOutputKind.FINAL_ONLY
+        return await add_request(self, request_id, prompt, params, *args, **kwargs)
+
+    cls.add_request = add_request_final_only
 
 
 def render_off_loop(cls) -> None:

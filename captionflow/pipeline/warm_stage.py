@@ -11,10 +11,16 @@ is an error row, never a caption; a replica that is gone fails the pass (``ledge
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from ray.llm._internal.batch.stages.base import StatefulStage, StatefulStageUDF
+
+from captionflow.workers.worker_log import say
+
+READY = "warm stage: handles to"  # the run's log, and the verdict benchmark's timeline, read these
+FIRST_BACK = "warm stage: first batch back"
 
 
 class WarmEngineStageUDF(StatefulStageUDF):
@@ -33,6 +39,9 @@ class WarmEngineStageUDF(StatefulStageUDF):
         self.in_flight = [0] * len(self.handles)
         self.next = 0
         self.model_fingerprint = model_fingerprint
+        self.started = time.perf_counter()
+        self.first_back = False
+        say(f"{READY} {len(self.handles)} engines ({', '.join(app_names)})")
 
     def _pick(self) -> int:
         """The engine with the fewest of this actor's batches in flight (ties: in turn)."""
@@ -51,6 +60,9 @@ class WarmEngineStageUDF(StatefulStageUDF):
             )
         finally:
             self.in_flight[engine] -= 1
+        if not self.first_back:
+            self.first_back = True
+            say(f"{FIRST_BACK} ({len(out)} rows) {time.perf_counter() - self.started:.1f} s after the handles")
         for i, row in zip(idx, out):  # the replica keeps the order of the rows it was given
             row[self.IDX_IN_BATCH_COLUMN] = i
             if not row.get("__inference_error__") and row.get("served_by") != self.model_fingerprint:

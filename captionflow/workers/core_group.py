@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from captionflow.processes import alive, process_started
+from captionflow.workers import worker_log
 
 SLOTS_PER_FRONT_END = 4  # client slots per front end: passes of one run, and front ends that came back
 LINGER_S = 20.0  # the host keeps the core this long after the group's last front end is gone
@@ -41,8 +42,8 @@ CORE_WAIT_S = 900.0  # how long a front end waits for a core (another's to close
 HOST_START_S = 120.0  # how long a host may take to say it runs once spawned
 
 
-def say(msg: str) -> None:  # to the worker's log (Ray forwards it to the driver; run_log picks key lines)
-    print(f"captionflow {time.strftime('%H:%M:%S')}: shared engine core: {msg}", file=sys.stderr, flush=True)
+def say(msg: str) -> None:
+    worker_log.say(f"shared engine core: {msg}")
 
 
 def groups_root() -> Path:

@@ -72,7 +72,7 @@ def test_hook_prebuilds_the_processor_the_first_request_uses(tmp_path):
 
 
 RENDER_SCRIPT = textwrap.dedent("""
-    import asyncio, io, json, threading
+    import asyncio, inspect, io, json, threading
     from captionflow.compat import vllm_warmup
     vllm_warmup.install()                       # before any vLLM import, as in a Ray worker
     from PIL import Image
@@ -100,20 +100,22 @@ RENDER_SCRIPT = textwrap.dedent("""
         return process(self, *a, **k)
     cls._process_multimodal = recording
     TAG = [""]
+    YIELDS = {}
 
     async def caption(llm, i, add_request, tag):
         llm.add_request = add_request.__get__(llm)      # this request through the given path
         TAG[0] = tag
-        out = None
+        outs = []
         request = {"prompt": prompt, "multi_modal_data": {"image": images[i]}}
-        async for out in llm.generate(request, sp, f"r{i}-{tag}"):
-            pass
-        return list(out.outputs[0].token_ids)
+        async for out in llm.generate(request, sp.clone(), f"r{i}-{tag}"):
+            outs.append(out)
+        YIELDS.setdefault(tag, []).append(len(outs))
+        return list(outs[-1].outputs[0].token_ids)
 
     async def main():
         llm = AsyncLLM.from_engine_args(args)
         patched = type(llm).add_request
-        original = patched.__wrapped__
+        original = inspect.unwrap(patched)              # vLLM's own, under every captionflow wrapper
         out = {"patched": [], "original": []}
         for i in range(len(images)):
             out["original"].append(await caption(llm, i, original, "original"))
@@ -122,14 +124,15 @@ RENDER_SCRIPT = textwrap.dedent("""
         return out, seen
 
     out, seen = asyncio.run(main())
-    print("RESULT " + json.dumps({"out": out, "on_loop_thread": seen, "vllm": vllm.__version__}))
+    print("RESULT " + json.dumps({"out": out, "on_loop_thread": seen, "yields": YIELDS, "vllm": vllm.__version__}))
 """)
 
 
 @pytest.mark.slow
 def test_requests_are_rendered_off_the_event_loop_with_the_same_outputs(tmp_path):
     """With the patch, the engine front end's image processing runs on the renderer's threads, not on the
-    event loop's thread, and greedy outputs equal those of vLLM's own (deprecated) raw-prompt path."""
+    event loop's thread, only each request's final output comes back (Ray Data LLM reads no other), and greedy
+    outputs equal those of vLLM's own (deprecated) raw-prompt path, which returns an output per token."""
     root = Path(__file__).resolve().parents[3]
     proc = subprocess.run(
         [sys.executable, "-c", RENDER_SCRIPT],
@@ -145,6 +148,7 @@ def test_requests_are_rendered_off_the_event_loop_with_the_same_outputs(tmp_path
     assert r["out"]["patched"] == r["out"]["original"]
     assert all(len(t) == 12 for t in r["out"]["patched"])
     assert len({tuple(t) for t in r["out"]["patched"]}) > 1  # the images make a difference
+    assert r["yields"] == {"original": [12] * 3, "patched": [1] * 3}  # one output per token / the final one only
     # the patched path processes images on the renderer's threads; vLLM's own raw-prompt path did it on the
     # event loop's (main) thread up to 0.26 (the GPU host's) and moved it off the loop later (the CPU build's 0.29)
     on_loop = {}
