@@ -66,12 +66,12 @@ class CaptionEngine:
     """A Ray Serve deployment class: a run's processor stages, kept warm between runs."""
 
     def __init__(self, model_path: str, model_fingerprint: str, engine):
-        import vllm.v1.engine.async_llm as async_llm
-
         from captionflow.compat import vllm_warmup
-        from captionflow.pipeline.processor import build_vlm_processor
 
-        vllm_warmup.patch_async_llm(async_llm)  # a Serve replica does not run the job's worker setup hook
+        # A Serve replica does not run the job's worker setup hook: without it the first request of a new
+        # service built the HF processor again on the front end (vllm_warmup), as an engine actor would.
+        vllm_warmup.install()
+        from captionflow.pipeline.processor import build_vlm_processor
 
         t0 = time.perf_counter()
         processor = build_vlm_processor(engine, model_path, preprocess=None, postprocess=None)

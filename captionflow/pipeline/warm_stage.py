@@ -11,12 +11,14 @@ is an error row, never a caption; a replica that is gone fails the pass (``ledge
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from ray.llm._internal.batch.stages.base import StatefulStage, StatefulStageUDF
 
+from captionflow.processes import process_started
 from captionflow.workers.worker_log import say
 
 READY = "warm stage: handles to"  # the run's log, and the verdict benchmark's timeline, read these
@@ -32,6 +34,7 @@ class WarmEngineStageUDF(StatefulStageUDF):
         deployment_name: str,
         model_fingerprint: str,
     ):
+        t0 = time.time()
         super().__init__(data_column, expected_input_keys)
         from ray import serve
 
@@ -41,7 +44,13 @@ class WarmEngineStageUDF(StatefulStageUDF):
         self.model_fingerprint = model_fingerprint
         self.started = time.perf_counter()
         self.first_back = False
-        say(f"{READY} {len(self.handles)} engines ({', '.join(app_names)})")
+        started = process_started(os.getpid())
+        say(
+            f"{READY} {len(self.handles)} engines ({', '.join(app_names)}) in {time.time() - t0:.1f} s; "
+            f"worker process up {t0 - started:.1f} s before"
+            if started
+            else f"{READY} {len(self.handles)} engines ({', '.join(app_names)})"
+        )
 
     def _pick(self) -> int:
         """The engine with the fewest of this actor's batches in flight (ties: in turn)."""
