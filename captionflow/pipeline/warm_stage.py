@@ -45,12 +45,9 @@ class WarmEngineStageUDF(StatefulStageUDF):
         self.started = time.perf_counter()
         self.first_back = False
         started = process_started(os.getpid())
-        say(
-            f"{READY} {len(self.handles)} engines ({', '.join(app_names)}) in {time.time() - t0:.1f} s; "
-            f"worker process up {t0 - started:.1f} s before"
-            if started
-            else f"{READY} {len(self.handles)} engines ({', '.join(app_names)})"
-        )
+        engines = f"{len(app_names)} engine{'s' if len(app_names) != 1 else ''} ({', '.join(app_names)})"
+        took = f" in {time.time() - t0:.1f} s; worker process up {t0 - started:.1f} s before" if started else ""
+        say(f"{READY} {engines}{took}")
 
     def _pick(self) -> int:
         """The engine with the fewest of this actor's batches in flight (ties: in turn)."""
