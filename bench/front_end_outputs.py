@@ -74,12 +74,14 @@ def main() -> int:
 
     model = resolve_model(a.model).path
     preset = PRESETS[a.device]
-    kwargs = {**preset.engine_kwargs, "max_num_seqs": preset.max_num_seqs, "max_model_len": preset.max_model_len}
-    kwargs["max_num_seqs"] = a.max_num_seqs
-    kwargs.pop("mm_processor_cache_gb", None)
-    llm = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(model=model, limit_mm_per_prompt={"image": 1, "video": 0}, mm_processor_cache_gb=0, **kwargs)
-    )
+    kwargs = {
+        **preset.engine_kwargs,
+        "max_num_seqs": a.max_num_seqs,
+        "max_model_len": preset.max_model_len,
+        "limit_mm_per_prompt": {"image": 1, "video": 0},
+        "mm_processor_cache_gb": 0,
+    }
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **kwargs))
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 255, (a.side, a.side, 3), dtype=np.uint8)) for _ in range(a.n)]
     prompt = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe.<|im_end|>\n<|im_start|>assistant\n"

@@ -37,9 +37,6 @@ SETUP_HOOK = "captionflow.compat.vllm_warmup.install"
 THREAD_NAME = "captionflow-processor-warmup"
 
 
-_say = worker_log.say
-
-
 def start_warmup(renderer) -> threading.Thread | None:
     """Build ``renderer``'s HF processor in a daemon thread (None for a text-only model)."""
     mm = getattr(renderer, "mm_processor", None)
@@ -51,9 +48,9 @@ def start_warmup(renderer) -> threading.Thread | None:
         try:
             mm.info.get_hf_processor()  # what a request without mm_processor_kwargs asks for
         except Exception as e:  # vLLM then builds it on the first request, as without this
-            _say(f"could not pre-build the HF processor ({e!r}); vLLM builds it on the first request")
+            worker_log.say(f"could not pre-build the HF processor ({e!r}); vLLM builds it on the first request")
             return
-        _say(f"HF processor pre-built in {time.perf_counter() - t0:.1f} s")
+        worker_log.say(f"HF processor pre-built in {time.perf_counter() - t0:.1f} s")
 
     t = threading.Thread(target=run, name=THREAD_NAME, daemon=True)
     t.start()
@@ -87,7 +84,7 @@ def patch_async_llm(module) -> bool:
     their final outputs (``final_outputs_only``)."""
     cls = getattr(module, "AsyncLLM", None)
     if cls is not None and not getattr(cls, "_captionflow_patched", False):
-        _wrap_init(cls, lambda self: _say(f"{ACCEPTING} {time.time():.3f}"))
+        _wrap_init(cls, lambda self: worker_log.say(f"{ACCEPTING} {time.time():.3f}"))
         render_off_loop(cls)
         final_outputs_only(cls)
     return cls is not None
@@ -164,7 +161,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         def exec_and_patch(module):
             exec_module(module)
             if not PATCHES[name](module):
-                _say(f"{name} lacks the class captionflow patches; left as it is")
+                worker_log.say(f"{name} lacks the class captionflow patches; left as it is")
 
         spec.loader.exec_module = exec_and_patch
         return spec

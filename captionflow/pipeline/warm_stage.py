@@ -44,9 +44,9 @@ class WarmEngineStageUDF(StatefulStageUDF):
         self.model_fingerprint = model_fingerprint
         self.started = time.perf_counter()
         self.first_back = False
-        started = process_started(os.getpid())
+        process_t0 = process_started(os.getpid())
         engines = f"{len(app_names)} engine{'s' if len(app_names) != 1 else ''} ({', '.join(app_names)})"
-        took = f" in {time.time() - t0:.1f} s; worker process up {t0 - started:.1f} s before" if started else ""
+        took = f" in {time.time() - t0:.1f} s; worker process up {t0 - process_t0:.1f} s before" if process_t0 else ""
         say(f"{READY} {engines}{took}")
 
     def _pick(self) -> int:
