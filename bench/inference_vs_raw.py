@@ -1,7 +1,7 @@
 """Benchmark: captionflow's inference stage vs. raw ``vllm.LLM.generate`` on the same images.
 
 Both sides use the same model, the same preprocessed images (JPEG bytes from the preprocess
-stage), the same chat messages, the same sampling parameters and the same engine settings (the
+stage), the same requests (prompt and image array), the same sampling parameters and the same engine settings (the
 preset of ``--device``). Run in one invocation so the ratio is measured under the same load:
 
     python bench/inference_vs_raw.py --n 192 --device cpu
@@ -24,10 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 
 def raw_vllm(cfg, model_path: str, rows: list[dict], preset) -> dict:
-    """One vllm.LLM in this process, chat over all rows."""
+    """One vllm.LLM in this process, generating for all rows: the same requests the stage sends."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     from vllm import LLM, SamplingParams
 
+    from captionflow.pipeline.request_format import image_prompt
     from captionflow.workers.llm_rows import caption_request
 
     t0 = time.perf_counter()
@@ -41,14 +42,19 @@ def raw_vllm(cfg, model_path: str, rows: list[dict], preset) -> dict:
     t_engine = time.perf_counter() - t0
     sampling = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
     t1 = time.perf_counter()
-    messages = []
+    prompts = []
     for r in rows:
         req = caption_request(
-            dict(r), system_prompt=cfg.system_prompt, prompt=cfg.prompt, sampling=sampling, fail_ids=frozenset()
+            dict(r),
+            image_prompt=image_prompt(model_path),
+            system_prompt=cfg.system_prompt,
+            prompt=cfg.prompt,
+            sampling=sampling,
+            fail_ids=frozenset(),
         )
-        messages.append(req["messages"])
-    outs = llm.chat(
-        messages,
+        prompts.append({"prompt": req["prompt"], "multi_modal_data": req["multimodal_data"]})
+    outs = llm.generate(
+        prompts,
         SamplingParams(**sampling),
         mm_processor_kwargs={"max_pixels": cfg.max_pixels or preset.max_pixels},
         use_tqdm=False,

@@ -27,6 +27,7 @@ from captionflow.model_source import ResolvedModel, resolve_clip, resolve_model
 from captionflow.pipeline.device import local_gpus
 from captionflow.pipeline.engine import EngineSettings, resolve_engine
 from captionflow.pipeline.presets import PRESETS
+from captionflow.pipeline.request_format import image_prompt
 from captionflow.pipeline.session import cluster_address
 from captionflow.results import PreflightResult
 from captionflow.storage import Store
@@ -61,6 +62,8 @@ def preflight(cfg: RunConfig) -> PreflightResult:
     device, gpus, local = resolve_device(cfg)
     engine = resolve_engine(cfg, model, PRESETS[device], gpus, local)
     check_ranges(cfg, model, engine)
+    for path in {model.path, judge.path if judge else model.path}:
+        image_prompt(path)  # the chat template rendered once for every request (or why it cannot be)
     judge_engine = resolve_engine(cfg, judge, PRESETS[device], gpus, local) if judge else None
     check_placement(cfg, engine, local)
     return PreflightResult(model=model, judge=judge, engine=engine, judge_engine=judge_engine, clip=clip)

@@ -1,11 +1,11 @@
 """What runs inside a warm engine: a Ray Serve replica holding the stages of a Ray Data LLM processor.
 
 ``CaptionEngine`` builds the very processor a run builds (``processor.build_vlm_processor``: Ray Data LLM's
-``build_processor`` with captionflow's settings) and instantiates its stages' own UDFs - multimodal
-preparation, chat template, the vLLM engine - once, in this process. A batch of request rows then goes
-through them exactly as Ray Data would send it through the stage actors of a run, so a warm run's
-captions equal a cold run's, while nothing is imported, loaded or compiled again. It outlives runs
-(``pipeline/service.py``) and swaps checkpoints of the same architecture in place with vLLM's
+``build_processor`` with captionflow's settings) and instantiates its stages' own UDFs - the vLLM engine
+stage, which takes the run's requests as they come (``request_format.py``) - once, in this process. A batch
+of request rows then goes through them exactly as Ray Data would send it through the stage actors of a run,
+so a warm run's captions equal a cold run's, while nothing is imported, loaded or compiled again. It outlives
+runs (``pipeline/service.py``) and swaps checkpoints of the same architecture in place with vLLM's
 ``reload_weights``; ``weights_digest`` reads back a slice of the loaded embedding so a swap is checked
 against the checkpoint's file before use. Every row it returns carries the fingerprint of the checkpoint
 that produced it (``served_by``).
@@ -18,7 +18,6 @@ import time
 from typing import Any, Optional
 
 DATA = "__data"
-PREPARED = ("multimodal_data", "multimodal_uuids", "prompt")  # made here, not sent back (the decoded images)
 DIGEST_ROWS = 64  # embedding rows compared after a swap
 
 
@@ -87,15 +86,14 @@ class CaptionEngine:
     async def caption_batch(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Request rows (what a run's preprocess gives) through every stage; what the stages added to each row
         (the engine's outputs, an error), in the order given. The run's engine stage merges them into the rows
-        it holds (Ray Data LLM's stage contract), so the columns it sent - the image among them - and what
-        was prepared here from them (``PREPARED``) do not travel back."""
+        it holds (Ray Data LLM's stage contract), so the columns it sent - the image among them - do not
+        travel back."""
         served_by = self.model_fingerprint
         sent = set().union(*(r.keys() for r in rows)) if rows else set()
         for udf in self.udfs:
             async for out in udf({DATA: rows}):
                 rows = out[DATA]
-        drop = sent | set(PREPARED)
-        added = [{**{k: v for k, v in row.items() if k not in drop}, "served_by": served_by} for row in rows]
+        added = [{**{k: v for k, v in row.items() if k not in sent}, "served_by": served_by} for row in rows]
         self.rows += len(added)
         return added
 

@@ -28,6 +28,7 @@ from captionflow.pipeline import service
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.ledger import Ledger, Progress, run_passes
 from captionflow.pipeline.processor import build_vlm_processor, map_task_kwargs, read_pending
+from captionflow.pipeline.request_format import image_prompt
 from captionflow.pipeline.session import ray_session
 from captionflow.pipeline.staging import staged
 from captionflow.results import InferenceResult, Manifest
@@ -184,6 +185,7 @@ def _caption_rows(
             model_path,
             preprocess=functools.partial(
                 caption_request,
+                image_prompt=image_prompt(model.path),
                 system_prompt=cfg.system_prompt,
                 prompt=cfg.prompt,
                 sampling=sampling,

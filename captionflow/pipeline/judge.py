@@ -22,6 +22,7 @@ from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.ledger import Ledger, read_captions, run_passes
 from captionflow.pipeline.processor import build_vlm_processor, map_task_kwargs, read_pending
+from captionflow.pipeline.request_format import image_prompt
 from captionflow.pipeline.session import ray_session
 from captionflow.pipeline.staging import staged
 from captionflow.results import InferenceResult, JudgeResult, Manifest, PassResult
@@ -124,7 +125,7 @@ def judge_passes(
     fan_out: Optional[Callable[[list[str]], tuple[list[str], Callable]]] = None,
 ) -> list[PassResult]:
     """The passes of a judge that answers through structured output (``regex``, greedy): ``request(row,
-    sampling=, grid=)`` builds each request from a dataset row, ``out(row, attempt=)`` parses the answer,
+    image_prompt=, sampling=, grid=)`` builds each request from a dataset row, ``out(row, attempt=)`` parses the answer,
     ``fixed(row, attempt=)`` gives error rows the ledger's schema. ``fan_out(pending)``, for results that are
     not one per image (pairwise: two orders), gives the images to read and the row -> rows function that
     makes each image's pending requests."""
@@ -138,7 +139,9 @@ def judge_passes(
         processor = build_vlm_processor(
             engine,
             judge_path,
-            preprocess=functools.partial(request, sampling=sampling, grid=engine.image_grid),
+            preprocess=functools.partial(
+                request, image_prompt=image_prompt(judge.path), sampling=sampling, grid=engine.image_grid
+            ),
             postprocess=functools.partial(out, attempt=attempt),
         )
         images, expand = fan_out(pending) if fan_out else (pending, None)

@@ -33,7 +33,7 @@ class Preset:
     max_num_seqs: int
     max_model_len: int
     max_pixels: int
-    cpu_stage_cpus: float  # each Ray Data LLM CPU stage actor
+    cpu_stage_cpus: float  # each Ray Data LLM CPU stage actor (tokenize/detokenize, when tokenize_in_ray)
     map_cpus: float  # each plain map/read task
     # Most tasks at once of each plain map/read operator. Bounded so that a small, steady set of Ray
     # worker processes runs them: unbounded, Ray Data launched ~15 postprocess tasks at once when the
@@ -104,7 +104,6 @@ GPU = Preset(
         "mm_processor_cache_gb": 0,
         "max_num_batched_tokens": 16384,
     },
-    cpu_stage_concurrency=4,  # light with images fitted to the grid upstream; each actor imports vLLM at start
     # 4: the most that one H100's memory holds for a 3B model (7 + 4 + 4 GiB each), and the fewest whose
     # front ends (~120 img/s each at 224 px) can feed its ~530 img/s (docs/sizing.md)
     max_engines_per_gpu=4,
@@ -121,7 +120,7 @@ N_MAP_TASKS = 5
 
 def pipeline_cpus(preset: Preset, concurrency: int) -> float:
     """Sum of the logical CPUs every stage of the inference pipeline declares (CPU stages at full size)."""
-    n_cpu_stages = 2 + (2 if preset.tokenize_in_ray else 0)  # multimodal prep + chat template (+ tok/detok)
+    n_cpu_stages = 2 if preset.tokenize_in_ray else 0  # tokenize + detokenize (requests come rendered)
     return (
         n_cpu_stages * preset.cpu_stage_concurrency * preset.cpu_stage_cpus
         + N_MAP_TASKS * preset.map_cpus

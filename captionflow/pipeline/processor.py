@@ -1,12 +1,15 @@
 """The Ray Data LLM pipeline of one LLM stage: the rows still to do in, fixed-schema result rows out.
 
     read the pending rows of each dataset shard -> re-block
-    -> build_processor: [preprocess (request rows) -> PrepareMultimodalStage -> ChatTemplateStage
-       (-> TokenizeStage) -> vLLMEngineStage (-> DetokenizeStage) -> postprocess] -> fixed schema
+    -> build_processor: [preprocess (requests ready for the engine) (-> TokenizeStage) -> vLLMEngineStage
+       (-> DetokenizeStage) -> postprocess] -> fixed schema
 
 Shared by captioning and the LLM judge; the row functions (``captionflow.workers.llm_rows``) decide
-the task. Every CPU stage declares its share (``presets.py``), and rows that fail individually come
-out with ``__inference_error__`` instead of failing the batch (``should_continue_on_error``).
+the task. The requests come ready for the engine stage - a rendered prompt and an image array
+(``request_format.py``) - so Ray Data LLM's multimodal-preparation and chat-template stages are off: no
+actor per stage that imports vLLM or transformers, no image decoded twice. Every stage declares its share
+(``presets.py``), and rows that fail individually come out with ``__inference_error__`` instead of failing
+the batch (``should_continue_on_error``).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def build_vlm_processor(
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
     preset = engine.preset
-    cpu_stage = {"enabled": True, "num_cpus": preset.cpu_stage_cpus, "concurrency": preset.cpu_stage_concurrency}
+    cpu_stage = {"num_cpus": preset.cpu_stage_cpus, "concurrency": preset.cpu_stage_concurrency}
     extra: dict[str, Any] = {}
     concurrency: int | tuple[int, int] = engine.concurrency
     cpus = engine.actor_cpus
@@ -91,11 +94,8 @@ def build_vlm_processor(
         should_continue_on_error=True,
         log_engine_metrics=engine.engine_metrics,
         runtime_env={"env_vars": {**WORKER_ENV, **ensure_mps(engine.mps)}},
-        prepare_multimodal_stage={
-            **cpu_stage,
-            "model_config_kwargs": {"limit_mm_per_prompt": {"image": 1, "video": 0}},
-        },
-        chat_template_stage=cpu_stage,
+        prepare_multimodal_stage={"enabled": False},  # the requests come ready (request_format.py)
+        chat_template_stage={"enabled": False},
         tokenize_stage={**cpu_stage, "enabled": preset.tokenize_in_ray},
         detokenize_stage={**cpu_stage, "enabled": preset.tokenize_in_ray},
         **extra,

@@ -1,10 +1,10 @@
 """The Ray Data LLM stage that sends a run's request rows to the warm engine service.
 
 A warm run's processor is a Ray Data LLM ``Processor`` with one stage: this one takes the request rows the
-run's preprocess makes (chat messages with the image, sampling parameters) a batch at a time and hands each
-batch to the service's engine with the fewest of its batches in flight, whose replica
-(``engine_server.CaptionEngine``) runs them through the stages a cold run's processor would have -
-multimodal preparation, chat template, vLLM - and returns the same output rows. Its actor imports neither
+run's preprocess makes (the rendered prompt, the image array, sampling parameters) a batch at a time and
+hands each batch to the service's engine with the fewest of its batches in flight, whose replica
+(``engine_server.CaptionEngine``) runs them through the stages a cold run's processor would have - vLLM's
+engine stage - and returns the same output rows. Its actor imports neither
 vLLM nor transformers, so a warm run starts in seconds. A row served by another checkpoint than the run's
 is an error row, never a caption; a replica that is gone fails the pass (``ledger``: EngineFailed).
 """
@@ -85,4 +85,8 @@ class WarmEngineStage(StatefulStage):
     fn: type[StatefulStageUDF] = WarmEngineStageUDF
 
     def get_required_input_keys(self) -> dict[str, str]:
-        return {"messages": "The chat messages, with the image.", "sampling_params": "vLLM's sampling parameters."}
+        return {
+            "prompt": "The rendered prompt.",
+            "multimodal_data": "The image, as an array.",
+            "sampling_params": "vLLM's sampling parameters.",
+        }

@@ -242,12 +242,6 @@ def normalise_image(data: bytes, max_side: int, max_input_pixels: int = MAX_INPU
     )
 
 
-def data_url(data: bytes, mime: str = "image/jpeg") -> str:
-    import base64
-
-    return f"data:{mime};base64," + base64.b64encode(data).decode("ascii")
-
-
 def grid_size(height: int, width: int, grid: tuple[int, int, int]) -> tuple[int, int]:
     """(height, width) a Qwen2-VL-style image processor resizes an image to: multiples of ``factor`` (patch x
     merge size) nearest the image's, scaled into [min_pixels, max_pixels] (``grid``: factor, min, max) - the
@@ -268,27 +262,26 @@ def grid_size(height: int, width: int, grid: tuple[int, int, int]) -> tuple[int,
     return h, w
 
 
-def fit_to_grid(jpeg: bytes, grid: Optional[tuple[int, int, int]]) -> tuple[bytes, str]:
-    """The image as the engine's image processor will see it: resized here, on a CPU worker, to the patch grid
-    within the pixel budget (``grid_size``) and sent uncompressed (PPM: no encode or decode cost), so the
-    engine's front end, one process per GPU, only normalises and cuts patches. JPEGs decode at a reduced
-    scale where the target is at most half their size. Without ``grid`` (other processors) or for shapes the
-    processor refuses (aspect ratio over 200), the bytes as they are. Returns (bytes, MIME type)."""
-    if not grid:
-        return jpeg, "image/jpeg"
+def engine_image(jpeg: bytes, grid: Optional[tuple[int, int, int]]):
+    """The image as the engine's image processor takes it: an RGB array (height x width x 3, uint8), resized
+    here, on a CPU worker, to the patch grid within the pixel budget (``grid_size``), so the engine's front end -
+    one process per engine - decodes nothing and only normalises and cuts patches. JPEGs decode at a reduced
+    scale where the target is at most half their size. Without ``grid`` (other processors) the image at its
+    size (the engine resizes it)."""
+    import numpy as np
+
     with Image.open(io.BytesIO(jpeg)) as im:
-        w0, h0 = im.size
-        if max(w0, h0) > 200 * min(w0, h0):
-            return jpeg, "image/jpeg"
-        h, w = grid_size(h0, w0, grid)
-        if im.format == "JPEG":
-            im.draft("RGB", (w, h))
-        rgb = im.convert("RGB")
-        if rgb.size != (w, h):
-            rgb = rgb.resize((w, h), Image.Resampling.BICUBIC)
-        buf = io.BytesIO()
-        rgb.save(buf, format="PPM")
-    return buf.getvalue(), "image/x-portable-pixmap"
+        if grid:
+            w0, h0 = im.size
+            h, w = grid_size(h0, w0, grid)
+            if im.format == "JPEG":
+                im.draft("RGB", (w, h))
+            rgb = im.convert("RGB")
+            if rgb.size != (w, h):
+                rgb = rgb.resize((w, h), Image.Resampling.BICUBIC)
+        else:
+            rgb = im.convert("RGB")
+        return np.array(rgb)
 
 
 def check_image(data: bytes, max_side: int) -> tuple[Optional[Normalised], Optional[Rejected]]:

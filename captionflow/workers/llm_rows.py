@@ -4,9 +4,10 @@ A Ray worker imports the module of each function it runs: this one needs only py
 standard library, not Prefect (2.7 s of CPU per worker process on 2 cores) - on a GPU host the
 postprocess tasks start worker processes while the engines' front ends need the CPU.
 
-Request builders also *remove* the preprocessed image bytes from the row: Ray Data LLM carries every
-input column through every stage (``wrap_preprocess`` keeps the row it is given), and the image is only
-needed once, to build the ``data:`` URL.
+Request builders make each request ready for the engine stage - the prompt rendered from the run's
+``ImagePrompt`` and the image as an array (``engine_request``; ``pipeline/request_format.py``) - and *remove*
+the preprocessed image bytes from the row: Ray Data LLM carries every input column through every stage
+(``wrap_preprocess`` keeps the row it is given), and the bytes are only needed once, to make the array.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import json
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from captionflow.workers.images import data_url, fit_to_grid
+from captionflow.workers.image_prompt import ImagePrompt
+from captionflow.workers.images import engine_image
 
 CAPTION_SCHEMA = pa.schema(
     [
@@ -46,20 +48,18 @@ JUDGE_SCHEMA = pa.schema(
 )
 
 
-def image_messages(system_prompt: str, image: bytes, text: str, grid=None) -> list[dict]:
-    """OpenAI-style chat messages: a system prompt, then one image (as a data: URL; fitted to the engine's
-    patch grid when ``grid`` is given: ``images.fit_to_grid``) and a text."""
-    image, mime = fit_to_grid(image, grid)
-    return [
-        {"role": "system", "content": system_prompt},
-        {
-            "role": "user",
-            "content": [
-                {"type": "image_url", "image_url": {"url": data_url(image, mime)}},
-                {"type": "text", "text": text},
-            ],
-        },
-    ]
+def engine_request(
+    image_id: str, image: bytes, prompt: ImagePrompt, system: str, text: str, sampling: dict, grid=None
+) -> dict:
+    """One request as Ray Data LLM's engine stage takes it: the prompt (``prompt`` rendered around ``system`` and
+    ``text``) and the image as an RGB array fitted to the engine's patch grid when ``grid`` is given
+    (``images.engine_image``)."""
+    return {
+        "image_id": image_id,
+        "prompt": prompt.render(system, text),
+        "multimodal_data": {"image": engine_image(image, grid)},
+        "sampling_params": sampling,
+    }
 
 
 def keep_pending(batch: pa.Table, *, pending: pa.Array) -> pa.Table:
@@ -81,18 +81,21 @@ def read_pending_rows(batch: pa.Table, *, fs, columns: list[str], pending: pa.Ar
 
 # ---------------------------------------------------------------- captioning
 def caption_request(
-    row: dict, *, system_prompt: str, prompt: str, sampling: dict, fail_ids: frozenset, grid=None
+    row: dict,
+    *,
+    image_prompt: ImagePrompt,
+    system_prompt: str,
+    prompt: str,
+    sampling: dict,
+    fail_ids: frozenset,
+    grid=None,
 ) -> dict:
     """Preprocess: one captioning request. ``fail_ids``: rows sent with invalid sampling parameters
     (temperature -1, which vLLM rejects), for the tests of per-row failures."""
     params = dict(sampling)
     if row["image_id"] in fail_ids:
         params["temperature"] = -1.0
-    return {
-        "image_id": row["image_id"],
-        "messages": image_messages(system_prompt, row.pop("image"), prompt, grid),
-        "sampling_params": params,
-    }
+    return engine_request(row["image_id"], row.pop("image"), image_prompt, system_prompt, prompt, params, grid)
 
 
 def to_caption(row: dict, *, max_tokens: int, model_fp: str, attempt: int) -> dict:
@@ -141,14 +144,10 @@ def judge_prompt(caption: str, references: list[str]) -> str:
     )
 
 
-def judge_request(row: dict, *, captions: dict, sampling: dict, grid=None) -> dict:
+def judge_request(row: dict, *, captions: dict, image_prompt: ImagePrompt, sampling: dict, grid=None) -> dict:
     """Preprocess: one judging request (the image, the caption, the references)."""
     text = judge_prompt(captions[row["image_id"]], list(row.get("references") or []))
-    return {
-        "image_id": row["image_id"],
-        "messages": image_messages(JUDGE_SYSTEM, row.pop("image"), text, grid),
-        "sampling_params": sampling,
-    }
+    return engine_request(row["image_id"], row.pop("image"), image_prompt, JUDGE_SYSTEM, text, sampling, grid)
 
 
 def parse_judgement(text: str) -> tuple[int, str]:
@@ -223,18 +222,16 @@ def both_orders(row: dict, *, pending: frozenset) -> list[dict]:
     return out
 
 
-def pairwise_request(row: dict, *, candidate: dict, baseline: dict, sampling: dict, grid=None) -> dict:
+def pairwise_request(
+    row: dict, *, candidate: dict, baseline: dict, image_prompt: ImagePrompt, sampling: dict, grid=None
+) -> dict:
     """Preprocess: one pairwise request (the image, both captions in this row's order, the references)."""
     image_id, order = split_pair_id(row["image_id"])
     a, b = candidate[image_id], baseline[image_id]
     if order == "ba":
         a, b = b, a
     text = pairwise_prompt(a, b, list(row.get("references") or []))
-    return {
-        "image_id": row["image_id"],
-        "messages": image_messages(PAIRWISE_SYSTEM, row.pop("image"), text, grid),
-        "sampling_params": sampling,
-    }
+    return engine_request(row["image_id"], row.pop("image"), image_prompt, PAIRWISE_SYSTEM, text, sampling, grid)
 
 
 def parse_pairwise(text: str) -> tuple[str, str]:

@@ -9,6 +9,7 @@ from captionflow.model_source import resolve_model
 from captionflow.pipeline.engine import resolve_engine
 from captionflow.pipeline.presets import CPU
 from captionflow.pipeline.processor import build_vlm_processor, read_pending
+from captionflow.pipeline.request_format import image_prompt
 from captionflow.pipeline.session import WORKER_ENV, ray_session
 from captionflow.workers.llm_rows import caption_request, to_caption
 
@@ -21,12 +22,20 @@ def test_processor_stages_carry_the_resolved_settings(builtin_model_dir):
     processor = build_vlm_processor(
         engine,
         model.path,
-        preprocess=functools.partial(caption_request, system_prompt="s", prompt="p", sampling={}, fail_ids=frozenset()),
+        preprocess=functools.partial(
+            caption_request,
+            image_prompt=image_prompt(model.path),
+            system_prompt="s",
+            prompt="p",
+            sampling={},
+            fail_ids=frozenset(),
+        ),
         postprocess=functools.partial(to_caption, max_tokens=4, model_fp="m", attempt=0),
     )
     stages = {type(s).__name__: s for s in processor.stages.values()}
-    # CPU preset: tokenising happens in the engine, so no Tokenize/Detokenize actors
-    assert list(stages) == ["PrepareMultimodalStage", "ChatTemplateStage", "vLLMEngineStage"]
+    # requests come ready for the engine (rendered prompt, image array): no multimodal-preparation or chat-template
+    # actors; CPU preset: tokenising happens in the engine, so no Tokenize/Detokenize actors either
+    assert list(stages) == ["vLLMEngineStage"]
     llm = stages["vLLMEngineStage"]
     passed = llm.fn_constructor_kwargs["engine_kwargs"]
     assert {k: passed[k] for k in engine.engine_kwargs} == engine.engine_kwargs  # (Ray adds its executor backend)
@@ -34,9 +43,8 @@ def test_processor_stages_carry_the_resolved_settings(builtin_model_dir):
     assert llm.fn_constructor_kwargs["should_continue_on_error"] is True  # a bad row fails alone
     assert llm.fn_constructor_kwargs["batch_size"] == 4 and llm.map_batches_kwargs["max_concurrency"] == 3
     assert llm.map_batches_kwargs["num_cpus"] == CPU.engine_cpus
-    for name in ("PrepareMultimodalStage", "ChatTemplateStage"):  # each declares its share: no deadlock on 2 cores
-        assert stages[name].map_batches_kwargs["num_cpus"] == CPU.cpu_stage_cpus
-        assert stages[name].map_batches_kwargs["runtime_env"]["env_vars"] == WORKER_ENV
+    assert llm.map_batches_kwargs["runtime_env"]["env_vars"] == WORKER_ENV
+    assert passed["disable_log_stats"] is True  # no statistics work on the front end unless metrics are exported
 
 
 def test_read_pending_gives_the_pending_rows_of_every_shard_in_batches(tmp_path, builtin_model_dir):

@@ -3,6 +3,7 @@ from __future__ import annotations
 import io
 import json
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -214,23 +215,22 @@ def test_preprocess_workers_keep_freed_memory_between_images(tmp_path):
 
 @pytest.mark.parametrize("size", [(640, 480), (480, 640), (224, 224), (1000, 37), (29, 29), (3000, 2000), (57, 800)])
 def test_images_are_fitted_to_the_grid_the_engines_processor_uses(size):
-    """fit_to_grid resizes to exactly the size transformers' Qwen2-VL processor would, so the engine's processor
+    """engine_image resizes to exactly the size transformers' Qwen2-VL processor would, so the engine's processor
     leaves it as it is and makes the same number of image tokens as from the original."""
     from transformers import Qwen2VLImageProcessor
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-    from captionflow.workers.images import fit_to_grid, grid_size
+    from captionflow.workers.images import engine_image, grid_size
 
     grid = (28, 3136, 224 * 224)
     w, h = size
     assert grid_size(h, w, grid) == smart_resize(h, w, factor=28, min_pixels=3136, max_pixels=224 * 224)
     buf = io.BytesIO()
     Image.new("RGB", size, (120, 30, 200)).save(buf, format="JPEG")
-    fitted, mime = fit_to_grid(buf.getvalue(), grid)
-    assert mime == "image/x-portable-pixmap"
-    im = Image.open(io.BytesIO(fitted))
-    assert (im.height, im.width) == grid_size(h, w, grid) and im.mode == "RGB"
+    fitted = engine_image(buf.getvalue(), grid)
+    assert fitted.shape == (*grid_size(h, w, grid), 3) and fitted.dtype == np.uint8
     proc = Qwen2VLImageProcessor(min_pixels=3136, max_pixels=224 * 224, patch_size=14, merge_size=2)
     original = proc(images=[Image.open(buf)], return_tensors="np")["image_grid_thw"].tolist()
-    assert proc(images=[im], return_tensors="np")["image_grid_thw"].tolist() == original
-    assert fit_to_grid(buf.getvalue(), None) == (buf.getvalue(), "image/jpeg")  # other processors: as it is
+    assert proc(images=[fitted], return_tensors="np")["image_grid_thw"].tolist() == original
+    as_is = engine_image(buf.getvalue(), None)  # other processors: the image at its size, the engine resizes
+    assert as_is.shape == (h, w, 3) and np.array_equal(as_is, np.asarray(Image.open(buf).convert("RGB")))

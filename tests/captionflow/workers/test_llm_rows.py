@@ -1,15 +1,17 @@
 """The row functions Ray workers run: light to import, and no image bytes carried past the request."""
 
-import base64
 import io
 import subprocess
 import sys
 
+import numpy as np
 from PIL import Image
 
+from captionflow.workers.image_prompt import ImagePrompt
 from captionflow.workers.llm_rows import (
     CAPTION_SCHEMA,
     JUDGE_SCHEMA,
+    JUDGE_SYSTEM,
     PAIRWISE_REGEX,
     PAIRWISE_SCHEMA,
     both_orders,
@@ -25,6 +27,8 @@ from captionflow.workers.llm_rows import (
     to_caption,
 )
 
+PROMPT = ImagePrompt("<s>", "</s><u><image>", "</u><a>")
+
 
 def _jpeg() -> bytes:
     buf = io.BytesIO()
@@ -36,7 +40,7 @@ def test_worker_modules_do_not_import_prefect():
     # A Ray worker imports the module of every function it runs: these must stay free of Prefect.
     code = (
         "import sys, captionflow.workers.llm_rows, captionflow.workers.decode; "
-        "print(sorted(m for m in ('prefect', 'ray', 'vllm', 'torch') if m in sys.modules))"
+        "print(sorted(m for m in ('prefect', 'ray', 'vllm', 'torch', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -52,18 +56,26 @@ def test_inference_and_judge_hand_ray_the_light_functions():
     assert judge.judge_request.__module__ == "captionflow.workers.llm_rows"
 
 
-def test_caption_request_moves_the_image_into_the_message():
+def test_caption_request_is_ready_for_the_engine_and_drops_the_image_bytes():
     jpeg = _jpeg()
     row = {"image_id": "abc", "image": jpeg}
     req = caption_request(
-        row, system_prompt="sys", prompt="Describe.", sampling={"max_tokens": 4}, fail_ids=frozenset()
+        row,
+        image_prompt=PROMPT,
+        system_prompt="sys",
+        prompt="Describe.",
+        sampling={"max_tokens": 4},
+        fail_ids=frozenset(),
     )
     assert "image" not in row  # Ray Data LLM carries the row through every stage: the bytes leave it here
-    url = req["messages"][1]["content"][0]["image_url"]["url"]
-    assert url.startswith("data:image/jpeg;base64,") and base64.b64decode(url.split(",", 1)[1]) == jpeg
+    assert req["prompt"] == "<s>sys</s><u><image>Describe.</u><a>"
+    image = req["multimodal_data"]["image"]
+    assert image.dtype == np.uint8 and image.shape == (6, 8, 3)  # height x width x RGB, as decoded
+    assert np.array_equal(image, np.asarray(Image.open(io.BytesIO(jpeg)).convert("RGB")))
     assert req["sampling_params"] == {"max_tokens": 4}
     failing = caption_request(
         {"image_id": "abc", "image": jpeg},
+        image_prompt=PROMPT,
         system_prompt="s",
         prompt="p",
         sampling={"temperature": 0.0},
@@ -74,10 +86,10 @@ def test_caption_request_moves_the_image_into_the_message():
 
 def test_judge_request_drops_the_image_and_quotes_caption_and_references():
     row = {"image_id": "x", "image": _jpeg(), "references": ["a red square"]}
-    req = judge_request(row, captions={"x": "a red box"}, sampling={"max_tokens": 8})
+    req = judge_request(row, captions={"x": "a red box"}, image_prompt=PROMPT, sampling={"max_tokens": 8})
     assert "image" not in row
-    text = req["messages"][1]["content"][1]["text"]
-    assert "'a red box'" in text and "- a red square" in text
+    assert req["prompt"].startswith(f"<s>{JUDGE_SYSTEM}</s><u><image>Caption to judge: 'a red box'")
+    assert "- a red square" in req["prompt"] and req["prompt"].endswith("</u><a>")
 
 
 def test_output_rows_have_the_fixed_schemas():
@@ -106,9 +118,11 @@ def test_pairwise_sends_each_pending_order_with_the_captions_swapped():
     assert both_orders(row, pending=frozenset({"x#ba"}))[0]["image_id"] == "x#ba"  # only what is missing
     texts = []
     for r in rows:
-        req = pairwise_request(r, candidate={"x": "mine"}, baseline={"x": "theirs"}, sampling={"max_tokens": 9})
+        req = pairwise_request(
+            r, candidate={"x": "mine"}, baseline={"x": "theirs"}, image_prompt=PROMPT, sampling={"max_tokens": 9}
+        )
         assert "image" not in r
-        texts.append(req["messages"][1]["content"][1]["text"])
+        texts.append(req["prompt"].split("<image>", 1)[1])
     assert texts[0].startswith("Caption A: 'mine'\nCaption B: 'theirs'") and "- a red square" in texts[0]
     assert texts[1].startswith("Caption A: 'theirs'\nCaption B: 'mine'")
 
