@@ -28,6 +28,7 @@ from captionflow.storage import Store
 
 log = logging.getLogger("captionflow.lease")
 LEASES = ".leases"
+SETTLE_S = 0.5  # object stores: how long after writing a lease its token is read again (_still_mine)
 
 
 class LeaseTimeout(CaptionflowError, TimeoutError):
@@ -150,6 +151,19 @@ class Lease:
                 return False  # its process is gone (killed, crashed): no need to wait for the heartbeat
         return time.time() - h.heartbeat < h.ttl_s
 
+    def _still_mine(self, n: int, me: Holder) -> bool:
+        """Whether lease ``n`` just written is ``me``'s. A store whose conditional write is not atomic under
+        contention (seen with a test S3 server: two writers' PUTs both succeed, the later one's content stays)
+        lets two writers "win": each reads back its own token right after its write, so on an object store
+        the token is read again once another writer's PUT in flight would have landed (``SETTLE_S``); only the
+        one whose lease is there then holds it."""
+        if getattr(self._read(n), "token", "") != me.token:
+            return False
+        if self.store.is_local:  # link() is atomic
+            return True
+        time.sleep(SETTLE_S)
+        return getattr(self._read(n), "token", "") == me.token
+
     def acquire(self) -> Lease:
         t0 = time.monotonic()
         said = 0.0
@@ -176,9 +190,7 @@ class Lease:
                     ttl_s=self.ttl_s,
                     token=uuid.uuid4().hex,
                 )
-                # the token read back: a store whose conditional write is not atomic under contention (seen with
-                # a test S3 server) may let two writers "win"; only the one whose lease is there holds it
-                if self._write(top + 1, me, exclusive=True) and getattr(self._read(top + 1), "token", "") == me.token:
+                if self._write(top + 1, me, exclusive=True) and self._still_mine(top + 1, me):
                     self.number, self.holder = top + 1, me
                     self._start_heartbeat()
                     self._forget_below(top + 1)
