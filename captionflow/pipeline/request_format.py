@@ -10,6 +10,7 @@ load the processor.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -53,7 +54,7 @@ def image_prompt(model_path: str) -> ImagePrompt:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".prompt-")
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump({"head": prompt.head, "middle": prompt.middle, "tail": prompt.tail}, fh)
+            json.dump(dataclasses.asdict(prompt), fh)
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only cache: rendered again next time
