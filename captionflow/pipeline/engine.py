@@ -194,8 +194,7 @@ def resolve_engine(
         mps=mps,
         accelerator_type=cfg.accelerator_type,
         tensor_parallel_size=cfg.tensor_parallel_size,
-        # vLLM's AOT-compiled graphs live under its cache root, not under compilation_config's cache_dir
-        env={"VLLM_CACHE_ROOT": str(Path(cfg.compile_cache_dir) / "vllm")} if cfg.compile_cache_dir else {},
+        env=engine_env(cfg),
         image_grid=image_grid(model.path, max_pixels),
         solo_engine_kwargs=final({}) if layout_kwargs else None,
         engine_metrics=engine_metrics,
@@ -229,6 +228,18 @@ def renderer_workers(gpus: int, local_ray: bool) -> int:
     if not local_ray:
         return 8
     return max(2, min(16, (os.cpu_count() or 4) // max(gpus, 1) // 2))
+
+
+def engine_env(cfg: RunConfig) -> dict[str, str]:
+    """The engine processes' environment beyond WORKER_ENV (per-run engines and the service's alike).
+
+    vLLM starts its engine core from a Ray actor with ``spawn`` whatever the setting; saying so up front lets
+    ``engine_kwargs`` choose ``mm_tensor_ipc: torch_shm`` (its config check refuses it otherwise). vLLM's
+    AOT-compiled graphs live under its cache root, not under compilation_config's cache_dir."""
+    env = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    if cfg.compile_cache_dir:
+        env["VLLM_CACHE_ROOT"] = str(Path(cfg.compile_cache_dir) / "vllm")
+    return env
 
 
 # vLLM environment variables that do not shape the compiled graphs: logging, statistics, where caches live,

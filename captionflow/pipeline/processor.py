@@ -93,7 +93,7 @@ def build_vlm_processor(
         accelerator_type=engine.accelerator_type,
         should_continue_on_error=True,
         log_engine_metrics=engine.engine_metrics,
-        runtime_env={"env_vars": {**WORKER_ENV, **ensure_mps(engine.mps)}},
+        runtime_env={"env_vars": {**WORKER_ENV, **engine.env, **ensure_mps(engine.mps)}},
         prepare_multimodal_stage={"enabled": False},  # the requests come ready (request_format.py)
         chat_template_stage={"enabled": False},
         tokenize_stage={**cpu_stage, "enabled": preset.tokenize_in_ray},

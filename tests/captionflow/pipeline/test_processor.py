@@ -14,8 +14,14 @@ from captionflow.pipeline.session import WORKER_ENV, ray_session
 from captionflow.workers.llm_rows import caption_request, to_caption
 
 
-def test_processor_stages_carry_the_resolved_settings(builtin_model_dir):
-    cfg = RunConfig(device="cpu", batch_size=4, max_concurrent_batches=3, engine_kwargs={"seed": 7})
+def test_processor_stages_carry_the_resolved_settings(builtin_model_dir, tmp_path):
+    cfg = RunConfig(
+        device="cpu",
+        batch_size=4,
+        max_concurrent_batches=3,
+        engine_kwargs={"seed": 7},
+        compile_cache_dir=str(tmp_path / "shared"),
+    )
     ray_session(cfg)  # building a processor needs Ray (it would start a default one otherwise)
     model = resolve_model("builtin")
     engine = resolve_engine(cfg, model, CPU)
@@ -43,7 +49,12 @@ def test_processor_stages_carry_the_resolved_settings(builtin_model_dir):
     assert llm.fn_constructor_kwargs["should_continue_on_error"] is True  # a bad row fails alone
     assert llm.fn_constructor_kwargs["batch_size"] == 4 and llm.map_batches_kwargs["max_concurrency"] == 3
     assert llm.map_batches_kwargs["num_cpus"] == CPU.engine_cpus
-    assert llm.map_batches_kwargs["runtime_env"]["env_vars"] == WORKER_ENV
+    # the engine processes' environment: vLLM's cache root on the configured volume (its AOT graphs live there),
+    # and the start method vLLM uses from a Ray actor anyway, said up front (mm_tensor_ipc torch_shm needs it)
+    env = llm.map_batches_kwargs["runtime_env"]["env_vars"]
+    assert env == {**WORKER_ENV, **engine.env}
+    assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "shared" / "vllm")
+    assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
     assert passed["disable_log_stats"] is True  # no statistics work on the front end unless metrics are exported
 
 
