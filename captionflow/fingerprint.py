@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -16,6 +17,18 @@ def digest(obj: Any, length: int = 16) -> str:
     """Short sha256 of a JSON-able object, stable across runs and machines."""
     blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:length]
+
+
+def file_digests(folder: str | os.PathLike, patterns: tuple[str, ...]) -> dict[str, str]:
+    """sha256 of each file directly in ``folder`` whose name matches one of ``patterns`` (fnmatch), by name."""
+    root = Path(folder)
+    if not root.is_dir():
+        return {}
+    return {
+        f.name: hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(root.iterdir())
+        if f.is_file() and any(fnmatch.fnmatch(f.name, p) for p in patterns)
+    }
 
 
 def model_fingerprint(model_dir: str | os.PathLike) -> str:

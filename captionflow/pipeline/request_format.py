@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import tempfile
-from pathlib import Path
 
 from captionflow.cache import default_cache_dir
-from captionflow.fingerprint import digest
+from captionflow.fingerprint import digest, file_digests
 from captionflow.workers.image_prompt import TEMPLATE_FILES, ImagePrompt, render_image_prompt
 
 # Part of every generation fingerprint (EngineSettings.output_params): a change here is a change of captions.
@@ -29,11 +27,7 @@ REQUEST_FORMAT = "image-prompt-rendered-once/1"
 def _template_key(model_path: str) -> str:
     import importlib.metadata
 
-    files = {}
-    for name in TEMPLATE_FILES:
-        p = Path(model_path) / name
-        if p.is_file():
-            files[name] = hashlib.sha256(p.read_bytes()).hexdigest()
+    files = file_digests(model_path, TEMPLATE_FILES)
     try:
         transformers = importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:

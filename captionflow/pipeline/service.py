@@ -27,8 +27,6 @@ and writes ``<cache>/service.json`` so that runs on this machine find it; on a c
 from __future__ import annotations
 
 import contextlib
-import fnmatch
-import hashlib
 import json
 import logging
 import os
@@ -40,7 +38,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from captionflow.errors import CaptionflowError, EngineFailed
-from captionflow.fingerprint import digest
+from captionflow.fingerprint import digest, file_digests
 from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.service_address import local_service_address, service_file
@@ -81,15 +79,10 @@ def engine_spec(model: ResolvedModel, engine: EngineSettings) -> str:
     conf = json.loads((root / "config.json").read_text(encoding="utf-8"))
     for k in ("_name_or_path", "name_or_path", "transformers_version"):
         conf.pop(k, None)
-    small = {
-        f.name: hashlib.sha256(f.read_bytes()).hexdigest()
-        for f in sorted(root.iterdir())
-        if f.is_file() and any(fnmatch.fnmatch(f.name, p) for p in PROCESSOR_FILES)
-    }
     return digest(
         {
             "config": conf,
-            "files": small,
+            "files": file_digests(root, PROCESSOR_FILES),
             "output": engine.output_params(),
             "tensor_parallel_size": engine.tensor_parallel_size,
         }

@@ -57,3 +57,23 @@ def test_the_device_changes_the_run(builtin_model_dir):
 )
 def test_speed_settings_do_not_change_the_run(builtin_model_dir, change):
     assert _gen_fp(builtin_model_dir, **change) == _gen_fp(builtin_model_dir)
+
+
+def test_file_digests_hash_the_matching_files_of_a_folder_by_name(tmp_path):
+    import hashlib
+
+    from captionflow.fingerprint import file_digests
+
+    (tmp_path / "tokenizer.json").write_text("t")
+    (tmp_path / "tokenizer_config.json").write_text("c")
+    (tmp_path / "model.safetensors").write_bytes(b"w")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "tokenizer.json").write_text("nested")
+    got = file_digests(tmp_path, ("tokenizer*", "chat_template.jinja"))
+    assert got == {
+        "tokenizer.json": hashlib.sha256(b"t").hexdigest(),
+        "tokenizer_config.json": hashlib.sha256(b"c").hexdigest(),
+    }  # weights, folders and absent names left out
+    (tmp_path / "tokenizer.json").write_text("t2")
+    assert file_digests(tmp_path, ("tokenizer*",))["tokenizer.json"] != got["tokenizer.json"]
+    assert file_digests(tmp_path / "missing", ("*",)) == {}
