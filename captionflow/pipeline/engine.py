@@ -233,10 +233,13 @@ def renderer_workers(gpus: int, local_ray: bool) -> int:
 def engine_env(cfg: RunConfig) -> dict[str, str]:
     """The engine processes' environment beyond WORKER_ENV (per-run engines and the service's alike).
 
-    vLLM starts its engine core from a Ray actor with ``spawn`` whatever the setting; saying so up front lets
-    ``engine_kwargs`` choose ``mm_tensor_ipc: torch_shm`` (its config check refuses it otherwise). vLLM's
-    AOT-compiled graphs live under its cache root, not under compilation_config's cache_dir."""
-    env = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    vLLM's AOT-compiled graphs live under its cache root, not under compilation_config's cache_dir.
+    ``mm_tensor_ipc: torch_shm`` in ``engine_kwargs`` is refused by vLLM's config check unless the start method
+    is said to be ``spawn``: what vLLM uses from a Ray actor anyway (the shared-core host of ``front_ends``,
+    not a Ray actor, forks otherwise, so it is said only then)."""
+    env = {}
+    if (cfg.engine_kwargs or {}).get("mm_tensor_ipc") == "torch_shm":
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     if cfg.compile_cache_dir:
         env["VLLM_CACHE_ROOT"] = str(Path(cfg.compile_cache_dir) / "vllm")
     return env

@@ -19,7 +19,7 @@ def test_processor_stages_carry_the_resolved_settings(builtin_model_dir, tmp_pat
         device="cpu",
         batch_size=4,
         max_concurrent_batches=3,
-        engine_kwargs={"seed": 7},
+        engine_kwargs={"seed": 7, "mm_tensor_ipc": "torch_shm"},
         compile_cache_dir=str(tmp_path / "shared"),
     )
     ray_session(cfg)  # building a processor needs Ray (it would start a default one otherwise)
@@ -50,11 +50,13 @@ def test_processor_stages_carry_the_resolved_settings(builtin_model_dir, tmp_pat
     assert llm.fn_constructor_kwargs["batch_size"] == 4 and llm.map_batches_kwargs["max_concurrency"] == 3
     assert llm.map_batches_kwargs["num_cpus"] == CPU.engine_cpus
     # the engine processes' environment: vLLM's cache root on the configured volume (its AOT graphs live there),
-    # and the start method vLLM uses from a Ray actor anyway, said up front (mm_tensor_ipc torch_shm needs it)
+    # and the start method vLLM uses from a Ray actor anyway, said because torch_shm tensors need it said
     env = llm.map_batches_kwargs["runtime_env"]["env_vars"]
     assert env == {**WORKER_ENV, **engine.env}
     assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "shared" / "vllm")
     assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    plain = resolve_engine(RunConfig(device="cpu"), model, CPU)
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in plain.env and "VLLM_CACHE_ROOT" not in plain.env
     assert passed["disable_log_stats"] is True  # no statistics work on the front end unless metrics are exported
 
 
