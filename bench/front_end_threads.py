@@ -29,8 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
-SYSTEM_PROMPT = "You are a helpful assistant that writes short, factual image captions."
-PROMPT = "Describe this image in one sentence."
+from bench.gpu_throughput import PROMPT, SYSTEM_PROMPT  # the GPU bench's requests
 
 
 def front_end(model: str, side: int):
