@@ -439,6 +439,7 @@ def phase_stage(a: argparse.Namespace) -> dict:
             "engines": engine.concurrency,
             "engines_per_gpu": engine.engines_per_gpu,
             "front_ends": engine.front_ends,
+            "render_actors": engine.render_actors,
             "engine_kwargs": engine.engine_kwargs,
             "cuda_mps": engine.mps,
         }

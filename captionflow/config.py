@@ -118,6 +118,15 @@ class RunConfig(BaseModel):
         "per GPU: Ray Data LLM engine-stage actors that share the engine (instead of engines_per_gpu whole "
         "engines). Default 1: each actor has its own engine (docs/sizing.md).",
     )
+    render_actors: Optional[int] = Field(
+        None,
+        ge=0,
+        le=64,
+        title="Request renderers",
+        description="CPU actors that render each request for the engine (tokenising, the model's image processor) "
+        "before the engine stage, so that an engine's front end only forwards what they made; 0: every engine's "
+        "front end renders its own requests. Default: the preset's (docs/sizing.md).",
+    )
     gpu_memory_gib: Optional[float] = Field(
         None,
         gt=0,
@@ -324,6 +333,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "concurrency",
         "engines_per_gpu",
         "front_ends",
+        "render_actors",
         "gpu_memory_gib",
         "cuda_mps",
         "max_concurrent_batches",

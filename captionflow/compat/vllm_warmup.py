@@ -118,13 +118,19 @@ def render_off_loop(cls) -> None:
     wait: on the H100, one engine per GPU reached 105 images/s where the engine drains 528). Rendering
     through the renderer's async path (``render_cmpl_async``, vLLM's own non-deprecated route) runs it on the
     renderer's thread pool (``renderer_num_workers`` threads) and hands the engine the rendered input, which
-    it accepts as is. Where the front end lacks that path, requests go as before."""
+    it accepts as is. Where the front end lacks that path, requests go as before. A request rendered before the
+    engine stage (``workers/rendered_requests``, ``render_actors``) goes to the engine as it came."""
+    from captionflow.workers.rendered_requests import rendered_input
+
     add_request = cls.add_request
 
     @functools.wraps(add_request)
     async def add_request_rendered(self, request_id, prompt, params, *args, **kwargs):
         renderer = getattr(self, "renderer", None)
-        if (
+        rendered = rendered_input(prompt)
+        if rendered is not None:
+            prompt = rendered
+        elif (
             isinstance(prompt, dict)
             and "type" not in prompt
             and not kwargs.get("tokenization_kwargs")

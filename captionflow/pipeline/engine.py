@@ -48,6 +48,7 @@ class EngineSettings:
     solo_engine_kwargs: dict[str, Any] | None = None
     engine_metrics: bool = False  # vLLM engine metrics exported through Ray's Prometheus endpoint
     front_ends: int = 1  # engine-stage actors sharing one engine core (shared_core.py); 1: each its own engine
+    render_actors: int = 0  # CPU actors rendering requests before the engine stage (render_stage.py); 0: none
 
     def service_engines(self) -> tuple[EngineSettings, int]:
         """The warm service's engines: these settings and how many long-lived replicas hold them - the run's own
@@ -156,6 +157,7 @@ def resolve_engine(
         concurrency = cfg.concurrency or max(1, gpus // cfg.tensor_parallel_size) * k * front_ends
     else:
         concurrency = cfg.concurrency or preset.concurrency * front_ends
+    render_actors = preset.render_actors if cfg.render_actors is None else cfg.render_actors
     renderer = preset.renderer_workers or renderer_workers(gpus, local_ray)
     engine_metrics = cfg.metrics_port is not None or not local_ray
     base_kwargs: dict[str, Any] = {
@@ -199,6 +201,7 @@ def resolve_engine(
         solo_engine_kwargs=final({}) if layout_kwargs else None,
         engine_metrics=engine_metrics,
         front_ends=front_ends,
+        render_actors=render_actors,
     )
 
 

@@ -1,15 +1,16 @@
 """The Ray Data LLM pipeline of one LLM stage: the rows still to do in, fixed-schema result rows out.
 
     read the pending rows of each dataset shard -> re-block
-    -> build_processor: [preprocess (requests ready for the engine) (-> TokenizeStage) -> vLLMEngineStage
-       (-> DetokenizeStage) -> postprocess] -> fixed schema
+    -> build_processor: [preprocess (requests ready for the engine) (-> TokenizeStage) (-> RenderStage)
+       -> vLLMEngineStage (-> DetokenizeStage) -> postprocess] -> fixed schema
 
 Shared by captioning and the LLM judge; the row functions (``captionflow.workers.llm_rows``) decide
 the task. The requests come ready for the engine stage - a rendered prompt and an image array
 (``request_format.py``) - so Ray Data LLM's multimodal-preparation and chat-template stages are off: no
-actor per stage that imports vLLM or transformers, no image decoded twice. Every stage declares its share
-(``presets.py``), and rows that fail individually come out with ``__inference_error__`` instead of failing
-the batch (``should_continue_on_error``).
+actor per stage that imports vLLM or transformers, no image decoded twice. With ``render_actors``, CPU actors
+render them further, into what the engine's front end would make of them (``render_stage.py``). Every stage
+declares its share (``presets.py``), and rows that fail individually come out with ``__inference_error__``
+instead of failing the batch (``should_continue_on_error``).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def build_vlm_processor(
         extra["max_tasks_in_flight_per_actor"] = max(
             preset.max_tasks_in_flight_per_actor, engine.max_concurrent_batches
         )
+    engine_runtime_env = {"env_vars": {**WORKER_ENV, **engine.env, **ensure_mps(engine.mps)}}
     config = vLLMEngineProcessorConfig(
         model_source=model_path,
         engine_kwargs=copy.deepcopy(engine.engine_kwargs),  # Ray Data LLM adds to the dict it is given
@@ -93,7 +95,7 @@ def build_vlm_processor(
         accelerator_type=engine.accelerator_type,
         should_continue_on_error=True,
         log_engine_metrics=engine.engine_metrics,
-        runtime_env={"env_vars": {**WORKER_ENV, **engine.env, **ensure_mps(engine.mps)}},
+        runtime_env=engine_runtime_env,
         prepare_multimodal_stage={"enabled": False},  # the requests come ready (request_format.py)
         chat_template_stage={"enabled": False},
         tokenize_stage={**cpu_stage, "enabled": preset.tokenize_in_ray},
@@ -115,6 +117,10 @@ def build_vlm_processor(
         from captionflow.pipeline.shared_core import share_engine_cores
 
         share_engine_cores(processor, engine.front_ends, extra.get("placement_group_config"))
+    if engine.render_actors:
+        from captionflow.pipeline.render_stage import render_before_engines
+
+        render_before_engines(processor, engine, model_path, {"env_vars": {**WORKER_ENV, **engine.env}})
     return processor
 
 

@@ -6,42 +6,15 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
-import pyarrow.parquet as pq
 import pytest
+from cli_runs import captions, run_cli
 
 from captionflow.builtin.demo_data import DEMO_CAPTIONS, ensure_demo_dataset
 from captionflow.workers import core_group
 
 pytestmark = pytest.mark.slow
-
-
-def _run(args, tmp_path, name, wait=True):
-    from prefect.settings import PREFECT_API_URL
-
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONUNBUFFERED": "1"}
-    log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed by the caller's wait
-    summary = tmp_path / f"{name}.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "run", *args, "--summary-json", str(summary)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    if not wait:
-        return proc, log, summary
-    proc.wait(timeout=1200)
-    log.close()
-    text = (tmp_path / f"{name}.log").read_text()
-    assert proc.returncode == 0, text[-4000:]
-    return json.loads(summary.read_text()), text
-
-
-def _captions(run_dir) -> list[dict]:
-    return pq.read_table(f"{run_dir}/captions", columns=["image_id", "caption"]).to_pylist()
 
 
 def _host_lines(log: str, what: str) -> list[str]:
@@ -54,12 +27,12 @@ def test_front_ends_sharing_one_core_caption_as_one_engine_does_and_give_it_back
     for n in sorted(DEMO_CAPTIONS)[:8]:
         shutil.copy2(ensure_demo_dataset() / n, data / n)
     common = ["--dataset", str(data), "--device", "cpu", "--batch-size", "2"]
-    alone, _ = _run([*common, "--output", str(tmp_path / "alone")], tmp_path, "alone")
-    shared, log = _run([*common, "--output", str(tmp_path / "shared"), "--front-ends", "2"], tmp_path, "shared")
+    alone, _ = run_cli([*common, "--output", str(tmp_path / "alone")], tmp_path, "alone")
+    shared, log = run_cli([*common, "--output", str(tmp_path / "shared"), "--front-ends", "2"], tmp_path, "shared")
     # the same settings that make a caption: the same generation fingerprint, the same captions
     assert shared["run_dir"].split("/")[-2:] == alone["run_dir"].split("/")[-2:]
-    mine = {r["image_id"]: r["caption"] for r in _captions(shared["run_dir"])}
-    assert len(mine) == 8 and mine == {r["image_id"]: r["caption"] for r in _captions(alone["run_dir"])}
+    mine = {r["image_id"]: r["caption"] for r in captions(shared["run_dir"])}
+    assert len(mine) == 8 and mine == {r["image_id"]: r["caption"] for r in captions(alone["run_dir"])}
     # two front ends, one engine core
     assert len(_host_lines(log, " starts ")) == 1 and len(_host_lines(log, " joins ")) == 1
     assert len(_host_lines(log, "started in")) == 1
@@ -81,7 +54,7 @@ def test_a_core_killed_mid_run_is_started_again_and_every_image_is_captioned_onc
     started = time.time()
     args = ["--dataset", str(data), "--output", str(tmp_path / "out"), "--device", "cpu", "--front-ends", "2"]
     args += ["--batch-size", "2", "--commit-rows", "2", "--max-tokens", "512", "--ignore-eos"]
-    proc, log, summary = _run(args, tmp_path, "killed", wait=False)
+    proc, log, summary = run_cli(args, tmp_path, "killed", wait=False)
     core = None
     deadline = time.monotonic() + 600
     while core is None and time.monotonic() < deadline and proc.poll() is None:
@@ -100,5 +73,5 @@ def test_a_core_killed_mid_run_is_started_again_and_every_image_is_captioned_onc
     assert _host_lines(text, "the engine core died") and _host_lines(text, "is gone; this front end exits")
     assert any("generation 2" in line for line in _host_lines(text, "started in")), text[-4000:]
     s = json.loads(summary.read_text())
-    ids = [r["image_id"] for r in _captions(s["run_dir"])]
+    ids = [r["image_id"] for r in captions(s["run_dir"])]
     assert len(ids) == len(set(ids)) == 120 and s["counts"]["captioned"] == 120

@@ -81,3 +81,34 @@ def test_read_pending_gives_the_pending_rows_of_every_shard_in_batches(tmp_path,
     assert sorted(got) == sorted(pending[:-1])  # every pending row once, nothing else (img-9-0 is in no shard)
     assert all(b.column_names == ["image_id", "image"] for b in batches)
     assert max(b.num_rows for b in batches) <= engine.batch_size  # re-blocked: the engine sees batches, not shards
+
+
+def test_render_actors_put_a_render_stage_right_before_the_engines(builtin_model_dir):
+    from captionflow.pipeline.render_stage import RenderStage
+
+    cfg = RunConfig(device="cpu", render_actors=3)
+    ray_session(cfg)
+    model = resolve_model("builtin")
+    engine = resolve_engine(cfg, model, CPU)
+    processor = build_vlm_processor(
+        engine,
+        model.path,
+        preprocess=functools.partial(
+            caption_request,
+            image_prompt=image_prompt(model.path),
+            system_prompt="s",
+            prompt="p",
+            sampling={},
+            fail_ids=frozenset(),
+        ),
+        postprocess=functools.partial(to_caption, max_tokens=4, model_fp="m", attempt=0),
+    )
+    assert list(processor.stages) == ["RenderStage", "vLLMEngineStage"]
+    render = processor.stages["RenderStage"]
+    assert isinstance(render, RenderStage)
+    # the renderer is built from the engine's own arguments, on 3 actors of one image thread each
+    assert render.fn_constructor_kwargs == {"model": model.path, "engine_kwargs": engine.engine_kwargs}
+    assert render.map_batches_kwargs["compute"].min_size == render.map_batches_kwargs["compute"].max_size == 3
+    assert render.map_batches_kwargs["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "1"
+    # without render actors (the CPU preset's default) the engines' front ends render, as before
+    assert resolve_engine(RunConfig(device="cpu"), model, CPU).render_actors == 0
