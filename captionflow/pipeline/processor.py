@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -60,6 +61,17 @@ def read_pending(fs, shard_paths: list[str], columns: list[str], pending: list[s
     return ds.repartition(target_num_rows_per_block=engine.batch_size)
 
 
+def max_pending_requests(engine: EngineSettings) -> int | None:
+    """How many of an engine actor's requests may be in its engine at once: every row the actor holds
+    (``max_concurrent_batches`` x ``batch_size``) where that is more than Ray Data LLM's own limit (1.1 x
+    ``max_num_seqs``), else None (Ray's). Below, the rows past the limit waited in the actor: when a wave of
+    requests of one length finished together, the engine ran nearly empty until the actor had added the next
+    one by one, instead of starting the next wave from its own queue as raw vLLM does (docs/sizing.md)."""
+    rows = engine.max_concurrent_batches * engine.batch_size
+    ray_default = math.ceil(1.1 * int(engine.engine_kwargs.get("max_num_seqs") or 0))
+    return rows if rows > ray_default else None
+
+
 def build_vlm_processor(
     engine: EngineSettings, model_path: str, preprocess: Callable, postprocess: Callable, warm=None
 ):
@@ -85,6 +97,9 @@ def build_vlm_processor(
         extra["max_tasks_in_flight_per_actor"] = max(
             preset.max_tasks_in_flight_per_actor, engine.max_concurrent_batches
         )
+    pending = max_pending_requests(engine)
+    if pending:
+        extra["max_pending_requests"] = pending
     engine_runtime_env = {"env_vars": {**WORKER_ENV, **engine.env, **ensure_mps(engine.mps)}}
     config = vLLMEngineProcessorConfig(
         model_source=model_path,

@@ -112,3 +112,31 @@ def test_render_actors_put_a_render_stage_right_before_the_engines(builtin_model
     assert render.map_batches_kwargs["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "1"
     # without render actors (the CPU preset's default) the engines' front ends render, as before
     assert resolve_engine(RunConfig(device="cpu"), model, CPU).render_actors == 0
+
+
+def test_every_row_an_engine_actor_holds_may_wait_in_its_engine(builtin_model_dir):
+    from captionflow.pipeline.presets import GPU
+    from captionflow.pipeline.processor import max_pending_requests
+
+    model = resolve_model("builtin")
+    cfg = RunConfig(device="cpu", max_concurrent_batches=8, batch_size=4, max_num_seqs=16)
+    ray_session(cfg)
+    deep = resolve_engine(cfg, model, CPU)
+    assert max_pending_requests(deep) == 32  # 8 batches of 4 rows, more than Ray Data LLM's 1.1 x 16
+    processor = build_vlm_processor(
+        deep,
+        model.path,
+        preprocess=functools.partial(
+            caption_request,
+            image_prompt=image_prompt(model.path),
+            system_prompt="s",
+            prompt="p",
+            sampling={},
+            fail_ids=frozenset(),
+        ),
+        postprocess=functools.partial(to_caption, max_tokens=4, model_fp="m", attempt=0),
+    )
+    assert processor.stages["vLLMEngineStage"].fn_constructor_kwargs["max_pending_requests"] == 32
+    # the presets hold no more rows per actor than Ray's own limit lets in: Ray's limit stays
+    assert max_pending_requests(resolve_engine(RunConfig(device="cpu"), model, CPU)) is None
+    assert max_pending_requests(resolve_engine(RunConfig(device="gpu", gpu_memory_gib=80), model, GPU, gpus=1)) is None
