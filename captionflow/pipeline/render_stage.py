@@ -17,6 +17,7 @@ from typing import Any
 
 from ray.llm._internal.batch.stages.base import StatefulStage, StatefulStageUDF
 
+from captionflow.compat.vllm_warmup import processor_ready
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.workers.rendered_requests import RENDERED, build_renderer, render
 from captionflow.workers.worker_log import say
@@ -29,6 +30,7 @@ class RenderStageUDF(StatefulStageUDF):
         t0 = time.perf_counter()
         super().__init__(data_column, expected_input_keys)
         self.renderer = build_renderer(model, engine_kwargs)
+        processor_ready(self.renderer)
         say(f"{READY} in {time.perf_counter() - t0:.1f} s")
 
     async def udf(self, batch: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
