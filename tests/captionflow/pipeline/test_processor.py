@@ -14,18 +14,9 @@ from captionflow.pipeline.session import WORKER_ENV, ray_session
 from captionflow.workers.llm_rows import caption_request, to_caption
 
 
-def test_processor_stages_carry_the_resolved_settings(builtin_model_dir, tmp_path):
-    cfg = RunConfig(
-        device="cpu",
-        batch_size=4,
-        max_concurrent_batches=3,
-        engine_kwargs={"seed": 7, "mm_tensor_ipc": "torch_shm"},
-        compile_cache_dir=str(tmp_path / "shared"),
-    )
-    ray_session(cfg)  # building a processor needs Ray (it would start a default one otherwise)
-    model = resolve_model("builtin")
-    engine = resolve_engine(cfg, model, CPU)
-    processor = build_vlm_processor(
+def _caption_processor(engine, model):
+    """The captioning processor of ``engine`` for ``model`` (built, not run)."""
+    return build_vlm_processor(
         engine,
         model.path,
         preprocess=functools.partial(
@@ -38,6 +29,20 @@ def test_processor_stages_carry_the_resolved_settings(builtin_model_dir, tmp_pat
         ),
         postprocess=functools.partial(to_caption, max_tokens=4, model_fp="m", attempt=0),
     )
+
+
+def test_processor_stages_carry_the_resolved_settings(builtin_model_dir, tmp_path):
+    cfg = RunConfig(
+        device="cpu",
+        batch_size=4,
+        max_concurrent_batches=3,
+        engine_kwargs={"seed": 7, "mm_tensor_ipc": "torch_shm"},
+        compile_cache_dir=str(tmp_path / "shared"),
+    )
+    ray_session(cfg)  # building a processor needs Ray (it would start a default one otherwise)
+    model = resolve_model("builtin")
+    engine = resolve_engine(cfg, model, CPU)
+    processor = _caption_processor(engine, model)
     stages = {type(s).__name__: s for s in processor.stages.values()}
     # requests come ready for the engine (rendered prompt, image array): no multimodal-preparation or chat-template
     # actors; CPU preset: tokenising happens in the engine, so no Tokenize/Detokenize actors either
@@ -90,19 +95,7 @@ def test_render_actors_put_a_render_stage_right_before_the_engines(builtin_model
     ray_session(cfg)
     model = resolve_model("builtin")
     engine = resolve_engine(cfg, model, CPU)
-    processor = build_vlm_processor(
-        engine,
-        model.path,
-        preprocess=functools.partial(
-            caption_request,
-            image_prompt=image_prompt(model.path),
-            system_prompt="s",
-            prompt="p",
-            sampling={},
-            fail_ids=frozenset(),
-        ),
-        postprocess=functools.partial(to_caption, max_tokens=4, model_fp="m", attempt=0),
-    )
+    processor = _caption_processor(engine, model)
     assert list(processor.stages) == ["RenderStage", "vLLMEngineStage"]
     render = processor.stages["RenderStage"]
     assert isinstance(render, RenderStage)
@@ -123,19 +116,7 @@ def test_every_row_an_engine_actor_holds_may_wait_in_its_engine(builtin_model_di
     ray_session(cfg)
     deep = resolve_engine(cfg, model, CPU)
     assert max_pending_requests(deep) == 32  # 8 batches of 4 rows, more than Ray Data LLM's 1.1 x 16
-    processor = build_vlm_processor(
-        deep,
-        model.path,
-        preprocess=functools.partial(
-            caption_request,
-            image_prompt=image_prompt(model.path),
-            system_prompt="s",
-            prompt="p",
-            sampling={},
-            fail_ids=frozenset(),
-        ),
-        postprocess=functools.partial(to_caption, max_tokens=4, model_fp="m", attempt=0),
-    )
+    processor = _caption_processor(deep, model)
     assert processor.stages["vLLMEngineStage"].fn_constructor_kwargs["max_pending_requests"] == 32
     # the presets hold no more rows per actor than Ray's own limit lets in: Ray's limit stays
     assert max_pending_requests(resolve_engine(RunConfig(device="cpu"), model, CPU)) is None
