@@ -403,6 +403,7 @@ def phase_stage(a: argparse.Namespace) -> dict:
     from captionflow.pipeline.engine import resolve_engine
     from captionflow.pipeline.inference import run_inference
     from captionflow.pipeline.preprocess import preprocess
+    from captionflow.pipeline.processor import max_pending_requests
     from captionflow.pipeline.session import ray_session
     from captionflow.sources import ingest
 
@@ -440,6 +441,9 @@ def phase_stage(a: argparse.Namespace) -> dict:
             "engines_per_gpu": engine.engines_per_gpu,
             "front_ends": engine.front_ends,
             "render_actors": engine.render_actors,
+            "batch_size": engine.batch_size,
+            "max_concurrent_batches": engine.max_concurrent_batches,
+            "max_pending_requests": max_pending_requests(engine),
             "engine_kwargs": engine.engine_kwargs,
             "cuda_mps": engine.mps,
         }

@@ -49,6 +49,10 @@ def test_gpu_layout_shares_each_gpu_between_the_engines_that_feed_it(builtin_mod
     assert e.engine_kwargs["kv_cache_memory_bytes"] == GPU.kv_cache_bytes  # fixed: they share the GPU
     assert e.engine_kwargs["renderer_num_workers"] >= 2 and e.engine_kwargs["mm_processor_cache_gb"] == 0
     assert e.service_engines() == (e, 2 * e.engines_per_gpu)  # the warm service: the same engines, kept warm
+    rendered = resolve_engine(RunConfig(gpu_memory_gib=80, render_actors=6), model, GPU, gpus=2, local_ray=True)
+    assert rendered.render_actors == 6 and rendered.output_params() == e.output_params()  # the same captions
+    served, n = rendered.service_engines()  # a replica renders on its own front end: no render actors there
+    assert served.render_actors == 0 and n == 2 * e.engines_per_gpu and served.engine_kwargs == e.engine_kwargs
     one = e.single_engine()  # one engine owns its GPU
     assert one.engines_per_gpu == 1 and one.gpu_share == 1.0 and one.concurrency == 2 and one.mps == "off"
     assert "kv_cache_memory_bytes" not in one.engine_kwargs  # alone on its GPU, it sizes its KV cache itself
