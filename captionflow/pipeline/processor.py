@@ -135,7 +135,7 @@ def build_vlm_processor(
     if engine.render_actors:
         from captionflow.pipeline.render_stage import render_before_engines
 
-        render_before_engines(processor, engine, model_path, {"env_vars": {**WORKER_ENV, **engine.env}})
+        render_before_engines(processor, engine, model_path, {**WORKER_ENV, **engine.env})
     return processor
 
 

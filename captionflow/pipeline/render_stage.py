@@ -53,8 +53,9 @@ class RenderStage(StatefulStage):
         return {"prompt": "The rendered prompt.", "multimodal_data": "The image, as an array."}
 
 
-def render_before_engines(processor, engine: EngineSettings, model_path: str, runtime_env: dict[str, Any]) -> None:
-    """Put a ``RenderStage`` of ``engine.render_actors`` actors right before ``processor``'s engine stage."""
+def render_before_engines(processor, engine: EngineSettings, model_path: str, env_vars: dict[str, str]) -> None:
+    """Put a ``RenderStage`` of ``engine.render_actors`` actors (environment ``env_vars``) right before
+    ``processor``'s engine stage."""
     import ray.data
 
     stage = RenderStage(
@@ -64,7 +65,7 @@ def render_before_engines(processor, engine: EngineSettings, model_path: str, ru
             "num_cpus": engine.preset.cpu_stage_cpus,
             "compute": ray.data.ActorPoolStrategy(size=engine.render_actors),
             # one image-processing thread per actor: the actors are the parallelism
-            "runtime_env": {"env_vars": {**runtime_env.get("env_vars", {}), "OMP_NUM_THREADS": "1"}},
+            "runtime_env": {"env_vars": {**env_vars, "OMP_NUM_THREADS": "1"}},
         },
     )
     stages: OrderedDict = OrderedDict()

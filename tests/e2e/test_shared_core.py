@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import time
 
 import pytest
-from cli_runs import captions, run_cli
+from cli_runs import assert_same_captions, captions, run_cli
 
-from captionflow.builtin.demo_data import DEMO_CAPTIONS, ensure_demo_dataset
 from captionflow.workers import core_group
 
 pytestmark = pytest.mark.slow
@@ -21,18 +19,10 @@ def _host_lines(log: str, what: str) -> list[str]:
     return [line for line in log.splitlines() if "shared engine core" in line and what in line]
 
 
-def test_front_ends_sharing_one_core_caption_as_one_engine_does_and_give_it_back(prefect_api, tmp_path):
-    data = tmp_path / "golden"
-    data.mkdir()
-    for n in sorted(DEMO_CAPTIONS)[:8]:
-        shutil.copy2(ensure_demo_dataset() / n, data / n)
-    common = ["--dataset", str(data), "--device", "cpu", "--batch-size", "2"]
-    alone, _ = run_cli([*common, "--output", str(tmp_path / "alone")], tmp_path, "alone")
+def test_front_ends_sharing_one_core_caption_as_one_engine_does_and_give_it_back(plain_golden_run, tmp_path):
+    common, alone = plain_golden_run
     shared, log = run_cli([*common, "--output", str(tmp_path / "shared"), "--front-ends", "2"], tmp_path, "shared")
-    # the same settings that make a caption: the same generation fingerprint, the same captions
-    assert shared["run_dir"].split("/")[-2:] == alone["run_dir"].split("/")[-2:]
-    mine = {r["image_id"]: r["caption"] for r in captions(shared["run_dir"])}
-    assert len(mine) == 8 and mine == {r["image_id"]: r["caption"] for r in captions(alone["run_dir"])}
+    assert_same_captions(shared, alone, 8)
     # two front ends, one engine core
     assert len(_host_lines(log, " starts ")) == 1 and len(_host_lines(log, " joins ")) == 1
     assert len(_host_lines(log, "started in")) == 1

@@ -35,3 +35,11 @@ def run_cli(args, tmp_path, name, wait=True):
 
 def captions(run_dir) -> list[dict]:
     return pq.read_table(f"{run_dir}/captions", columns=["image_id", "caption"]).to_pylist()
+
+
+def assert_same_captions(run: dict, baseline: dict, n: int) -> None:
+    """``run`` made with the settings that make a caption of ``baseline``'s - the same generation fingerprint - and
+    the same ``n`` captions."""
+    assert run["run_dir"].split("/")[-2:] == baseline["run_dir"].split("/")[-2:]
+    mine = {r["image_id"]: r["caption"] for r in captions(run["run_dir"])}
+    assert len(mine) == n and mine == {r["image_id"]: r["caption"] for r in captions(baseline["run_dir"])}
