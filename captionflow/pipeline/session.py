@@ -103,19 +103,32 @@ _SESSION: list[RaySession] = []  # the process's session, once there is one
 
 @contextlib.contextmanager
 def keep_sigterm() -> Iterator[None]:
-    """Keep this process's SIGTERM handler across a block that calls ``ray.init`` (ours, and Ray Data LLM's
-    own when it builds a processor): Ray replaces the handler with ``sys.exit``, so a Prefect cancel (the
-    worker's SIGTERM) ended the flow run as Crashed instead of Cancelled."""
+    """Keep this process's SIGTERM handler through a block that calls ``ray.init`` (ours, and Ray Data LLM's
+    own when it builds a processor). Ray installs ``sys.exit`` as the handler there; while it is installed,
+    Prefect's cancel bridge is not armed, so a cancel arriving then (the runner asks the flow process to
+    acknowledge, then sends SIGTERM) ended the flow run as Crashed instead of Cancelled. Ray is kept from
+    installing it during the block, and whatever handler is in place afterwards is restored."""
     import signal
     import threading
 
+    import ray._private.utils as ray_utils
+
     main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if main else None
+    ray_sets = getattr(ray_utils, "set_sigterm_handler", None)
+    if ray_sets is not None:
+        ray_utils.set_sigterm_handler = _leave_sigterm
     try:
         yield
     finally:
+        if ray_sets is not None:
+            ray_utils.set_sigterm_handler = ray_sets
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _leave_sigterm(handler) -> None:
+    """Stands in for Ray's ``set_sigterm_handler`` inside :func:`keep_sigterm`: the handler stays as it is."""
 
 
 def _init(**kwargs) -> None:
