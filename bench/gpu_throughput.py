@@ -265,6 +265,50 @@ def save_engine_logs(dest: Path, ray_tmp: str = "/tmp/ray") -> dict[str, int]:
     return rows
 
 
+_STATS = re.compile(
+    r"(\d\d)-(\d\d) (\d\d:\d\d:\d\d) \[loggers\.py:\d+\] .*?Avg prompt throughput: ([\d.]+) tokens/s, "
+    r"Avg generation throughput: ([\d.]+) tokens/s, Running: (\d+) reqs, Waiting: (\d+) reqs"
+)
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return None if not xs else xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def engine_load(t10: float, t90: float, max_tokens: int, ray_tmp: str = "/tmp/ray") -> dict | None:
+    """What each engine core did between 10% and 90% of the results, from vLLM's own statistics lines
+    (``--engine-stats``: one a second per engine): requests running and waiting (median), the share of
+    seconds with none waiting (the engine starved: whatever feeds it is slower), and its generation
+    rate in images/s (output tokens / ``max_tokens``). None without such lines."""
+    year = time.localtime().tm_year
+    per_engine = []
+    for f in _worker_logs(ray_tmp):
+        rows = []
+        with open(f, errors="replace") as fh:
+            for line in fh:
+                m = _STATS.search(line)
+                if not m:
+                    continue
+                t = time.mktime(time.strptime(f"{year}-{m[1]}-{m[2]} {m[3]}", "%Y-%m-%d %H:%M:%S"))
+                if t10 - 1 <= t <= t90:
+                    rows.append((float(m[5]), int(m[6]), int(m[7])))
+        if rows:
+            per_engine.append(
+                {
+                    "log": f.name,
+                    "seconds": len(rows),
+                    "running_median": _median([r[1] for r in rows]),
+                    "waiting_median": _median([r[2] for r in rows]),
+                    "none_waiting_share": round(sum(r[2] == 0 for r in rows) / len(rows), 2),
+                    "images_per_s": round(sum(r[0] for r in rows) / len(rows) / max(max_tokens, 1), 1),
+                }
+            )
+    if not per_engine:
+        return None
+    return {"engines": per_engine, "images_per_s": round(sum(e["images_per_s"] for e in per_engine), 1)}
+
+
 def pipeline_rates(n: int, t_start: float, stamps: list[tuple[float, int]], out_tok: int) -> dict:
     """B and C: the steady window starts when the first engine front end can take requests (as A's
     starts when ``LLM()`` returns), so it holds every image and the pipeline's fill. Also given:
@@ -432,6 +476,8 @@ def phase_stage(a: argparse.Namespace) -> dict:
     stamps, out_tok, in_tok = commit_times(res.run_dir)
     r = pipeline_rates(res.captioned, t_start, stamps, out_tok)
     r["rows_per_engine"] = sorted(save_engine_logs(Path(a.work) / "phase-stage-engines.log").values())
+    if "t10" in r:
+        r["engine_load_10_90"] = engine_load(r["t10"], r["t90"], a.max_tokens)
     r.update(
         {
             "failed": res.failed,
@@ -512,6 +558,8 @@ def phase_flow(a: argparse.Namespace) -> dict:
     stamps, out_tok, in_tok = commit_times(s["run_dir"])
     r = pipeline_rates(s["counts"]["captioned"], t_start, stamps, out_tok)
     r["rows_per_engine"] = sorted(save_engine_logs(Path(a.work) / "phase-flow-engines.log").values())
+    if "t10" in r:
+        r["engine_load_10_90"] = engine_load(r["t10"], r["t90"], a.max_tokens)
     # the flow ends after evaluate: its wall time runs to the process's exit, not to the last caption
     r["wall_s"] = round(t_end - t_start, 2)
     r["images_per_s_wall"] = round(s["counts"]["captioned"] / (t_end - t_start), 2)
@@ -770,6 +818,9 @@ PHASES = {"raw": phase_raw, "stage": phase_stage, "flow": phase_flow}
 # ---------------------------------------------------------------- orchestration
 def prepare(a: argparse.Namespace) -> None:
     work = Path(a.work)
+    if a.engine_stats:  # the phases' processes (and a local Ray's workers) inherit the interval
+        a.engine_kwargs = json.dumps({**json.loads(a.engine_kwargs), "disable_log_stats": False})
+        os.environ.setdefault("VLLM_LOG_STATS_INTERVAL", "1")
     if not a.images:
         from captionflow.builtin.synthetic import make_images
 
@@ -874,6 +925,12 @@ def main() -> int:
     ap.add_argument("--engines-per-gpu", type=int, help="whole engines per GPU (default: one)")
     ap.add_argument("--front-ends", type=int, help="front ends per engine core (default: the GPU preset's sizing)")
     ap.add_argument("--engine-kwargs", default="{}", help="extra vLLM kwargs (JSON), all phases")
+    ap.add_argument(
+        "--engine-stats",
+        action="store_true",
+        help="vLLM's statistics on, logged every second (stage, flow: engine_load_10_90 says whether the engines "
+        "were starved or full; costs their front ends a little CPU)",
+    )
     ap.add_argument(
         "--pipeline-config",
         default="{}",
