@@ -213,6 +213,28 @@ def _build_weights(config_dir: Path, out: Path, seed: int = 0) -> int:
     return sum(t.numel() for t in state.values())
 
 
+def qwen_image_processor_config(processor_class: str, min_pixels: int, max_pixels: int) -> dict:
+    """The preprocessor_config.json of a Qwen2-VL-family image processor (the built-in model and the stand-ins)."""
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": processor_class,
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "rescale_factor": 0.00392156862745098,
+        "resample": 3,
+        "min_pixels": min_pixels,
+        "max_pixels": max_pixels,
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+    }
+
+
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
@@ -237,24 +259,7 @@ def build_builtin_model(out_dir: str | os.PathLike, seed: int = 0) -> Path:
     )
     _write_json(
         out / "preprocessor_config.json",
-        {
-            "image_processor_type": "Qwen2VLImageProcessor",
-            "processor_class": "Qwen2VLProcessor",
-            "do_convert_rgb": True,
-            "do_normalize": True,
-            "do_rescale": True,
-            "do_resize": True,
-            "image_mean": [0.48145466, 0.4578275, 0.40821073],
-            "image_std": [0.26862954, 0.26130258, 0.27577711],
-            "rescale_factor": 0.00392156862745098,
-            "resample": 3,
-            "min_pixels": MIN_PIXELS,
-            "max_pixels": MAX_PIXELS,
-            "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-            "patch_size": 14,
-            "temporal_patch_size": 2,
-            "merge_size": 2,
-        },
+        qwen_image_processor_config("Qwen2VLProcessor", MIN_PIXELS, MAX_PIXELS),
     )
     n_params = _build_weights(out, out, seed=seed)
     _write_json(

@@ -21,7 +21,7 @@ import json
 import os
 from pathlib import Path
 
-from captionflow.builtin.model import CHAT_TEMPLATE, _training_text, _write_json
+from captionflow.builtin.model import CHAT_TEMPLATE, _training_text, _write_json, qwen_image_processor_config
 
 QWEN_REGULAR_TOKENS = 151_643
 QWEN_SPECIAL_TOKENS = [
@@ -273,24 +273,7 @@ def build_standin(arch: str, out_dir: str | os.PathLike) -> Path:
     )
     _write_json(
         out / "preprocessor_config.json",
-        {
-            "image_processor_type": "Qwen2VLImageProcessor",
-            "processor_class": ARCHES[arch]["processor_class"],
-            "do_convert_rgb": True,
-            "do_normalize": True,
-            "do_rescale": True,
-            "do_resize": True,
-            "image_mean": [0.48145466, 0.4578275, 0.40821073],
-            "image_std": [0.26862954, 0.26130258, 0.27577711],
-            "rescale_factor": 0.00392156862745098,
-            "resample": 3,
-            "min_pixels": 3136,
-            "max_pixels": 12845056,
-            "size": {"shortest_edge": 3136, "longest_edge": 12845056},
-            "patch_size": 14,
-            "temporal_patch_size": 2,
-            "merge_size": 2,
-        },
+        qwen_image_processor_config(ARCHES[arch]["processor_class"], 3136, 12845056),
     )
     _write_json(
         out / "captionflow_model.json",
