@@ -21,13 +21,25 @@ from typing import Any
 RENDERED = "captionflow_rendered"  # the key of ``multimodal_data`` that carries a rendered request
 
 
+# What a render actor's renderer changes of the engine's arguments (nothing a request comes out with depends on them):
+STANDALONE = {
+    # vLLM's processor cache: a front end sends an image it sent before as its hash alone, for its engine core's
+    # mirror of what it was sent. A render actor serves several engines and is no core's mirror: a rendered
+    # request carries its image's data every time.
+    "mm_processor_cache_gb": 0,
+    # a thread pool of the engine's size, each thread with a deep copy of the tokenizer (~1-2 s apiece at start-up):
+    # the actor renders on one thread
+    "renderer_num_workers": 1,
+}
+
+
 def build_renderer(model: str, engine_kwargs: dict[str, Any]):
-    """vLLM's renderer for ``model`` with the engine's arguments (the pixel budget, the processor's settings):
-    what the engine's front end renders with."""
+    """vLLM's renderer for ``model`` with the engine's arguments (the pixel budget, the processor's settings) but
+    ``STANDALONE``'s: what the engine's front end renders with, each request standing alone."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.input_processor import InputProcessor
 
-    config = EngineArgs(model=model, **engine_kwargs).create_engine_config()
+    config = EngineArgs(model=model, **{**engine_kwargs, **STANDALONE}).create_engine_config()
     return InputProcessor(config).renderer
 
 

@@ -62,3 +62,23 @@ def test_a_prompt_not_rendered_before_is_left_to_the_front_end():
     assert rendered_input({"prompt": "p", "multi_modal_data": {"image": np.zeros((4, 4, 3), np.uint8)}}) is None
     assert rendered_input({"prompt": "p"}) is None
     assert rendered_input("just text") is None
+
+
+def test_an_image_rendered_twice_carries_its_data_both_times(builtin_model_dir):
+    """A rendered request stands alone: whichever engine gets it, whatever that engine saw before. vLLM's own front
+    end sends a repeated image as its hash only (its engine core keeps a mirror of what it was sent); a render
+    actor serves several engines and is none's mirror, so it always sends the data (a dataset may hold the same
+    image twice: the second copy went as a bare hash to an engine that had never seen it)."""
+    import pickle
+
+    model = resolve_model("builtin")
+    engine = resolve_engine(RunConfig(device="cpu", render_actors=1), model, CPU)
+    assert engine.engine_kwargs.get("mm_processor_cache_gb", 4) != 0  # the engines keep vLLM's cache
+    prompt = image_prompt(model.path).render("You describe images.", "Describe the image.")
+    image = engine_image((ensure_demo_dataset() / sorted(DEMO_CAPTIONS)[0]).read_bytes(), engine.image_grid)
+    renderer = build_renderer(model.path, engine.engine_kwargs)
+    first, second = (pickle.loads(render(renderer, prompt, image)[RENDERED]) for _ in range(2))
+    for rendered in (first, second):
+        (item,) = rendered["mm_kwargs"]["image"]
+        assert item is not None and "pixel_values" in item
+    assert first["mm_hashes"] == second["mm_hashes"]
