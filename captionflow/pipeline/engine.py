@@ -123,6 +123,7 @@ SPEED_ONLY = frozenset(
         "compilation_config",
         "max_seq_len_to_capture",
         "mm_processor_kwargs",  # its max_pixels is output_params' own entry
+        "renderer_num_workers",  # the front end's threads, from the host's cores
     }
 )
 

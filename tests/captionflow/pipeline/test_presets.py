@@ -123,3 +123,16 @@ def test_compiled_graphs_are_keyed_on_the_architecture_not_the_checkpoint_path(b
     assert cache(a) == cache(b) == cache(resolve_model(str(copy)))  # any checkpoint, any path: the same graphs
     assert cache(a, max_model_len=2048) != cache(a)  # other engine settings: other graphs
     assert cache(a, compile_cache_dir=str(tmp_path / "shared")).startswith(str(tmp_path / "shared"))
+
+
+def test_the_captions_fingerprint_does_not_depend_on_the_hosts_cores(builtin_model_dir, monkeypatch):
+    """The front end's image threads follow the host's cores; the same checkpoint and settings on another host
+    make the same captions (a run there reuses them; the warm service's engines serve it)."""
+    model = resolve_model("builtin")
+    cfg = RunConfig(gpu_memory_gib=80, cuda_mps="off")
+    made = {}
+    for cores in (64, 8):
+        monkeypatch.setattr("os.cpu_count", lambda cores=cores: cores)
+        made[cores] = resolve_engine(cfg, model, GPU, gpus=1, local_ray=True)
+    assert made[64].engine_kwargs["renderer_num_workers"] != made[8].engine_kwargs["renderer_num_workers"]
+    assert made[64].output_params() == made[8].output_params()
