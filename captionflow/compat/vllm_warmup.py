@@ -155,8 +155,40 @@ def render_off_loop(cls) -> None:
     cls.add_request = add_request_rendered
 
 
+def patch_engine_stage(module) -> bool:
+    """Ray Data LLM's engine stage actor prestarts its engine core's process first thing, before it imports vLLM
+    (``core_prestart``); a UDF class that attaches to a core started elsewhere says so with
+    ``captionflow_own_core = False``."""
+    from captionflow.compat import core_prestart
+
+    cls = getattr(module, "vLLMEngineStageUDF", None)
+    if cls is not None and not getattr(cls, "_captionflow_patched", False):
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            if getattr(self, "captionflow_own_core", True):
+                core_prestart.prestart()
+            init(self, *args, **kwargs)
+
+        cls.__init__ = __init__
+        cls._captionflow_patched = True
+    return cls is not None
+
+
+def patch_engine_utils(module) -> bool:
+    from captionflow.compat import core_prestart
+
+    return core_prestart.patch_engine_utils(module)
+
+
 ACCEPTING = "vLLM engine accepting requests at"
-PATCHES = {"vllm.v1.engine.input_processor": patch_input_processor, "vllm.v1.engine.async_llm": patch_async_llm}
+PATCHES = {
+    "vllm.v1.engine.input_processor": patch_input_processor,
+    "vllm.v1.engine.async_llm": patch_async_llm,
+    "vllm.v1.engine.utils": patch_engine_utils,
+    "ray.llm._internal.batch.stages.vllm_engine_stage": patch_engine_stage,
+}
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

@@ -84,6 +84,8 @@ def group_folder() -> str:
 class SharedCoreEngineUDF(vLLMEngineStageUDF):
     """Ray Data LLM's vLLM engine stage, its engine a client of the GPU's shared engine core."""
 
+    captionflow_own_core = False  # the core runs in the group's host process: nothing to prestart here
+
     def __init__(self, *args, front_ends: int, **kwargs):
         import ray
 

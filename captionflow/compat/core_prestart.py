@@ -1,0 +1,173 @@
+"""Start the vLLM engine core's process while its front end is still starting.
+
+A vLLM front end (``AsyncLLM``) starts its engine core in a new process (multiprocessing's ``spawn``, as vLLM does
+inside a Ray actor) once it has imported vLLM, built the engine's configuration and its renderer; that process then
+imports vLLM again before it loads the model. On the H100 host each import takes ~25 s, one after the other, on every
+cold start. ``prestart`` spawns the process early - an engine actor calls it first thing, before it imports vLLM - and
+the process imports vLLM's engine core beside the actor's own import, then waits. When vLLM's
+``CoreEngineProcManager`` asks its multiprocessing context for the core's process (``get_mp_context`` patched by
+``patch_engine_utils``), it is handed that process; ``start()`` sends it the target, its arguments (pickled at that
+moment, as ``spawn`` pickles them) and the environment of that moment, and the process runs the core as a freshly
+spawned one would. Anything that differs from that case - no prestarted process, one that died, another start
+method, another target, arguments that can only pass by inheritance - gets vLLM's own path. Can go when vLLM starts
+its core before its front end's own set-up.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import multiprocessing.spawn
+import os
+import sys
+import threading
+from typing import Any
+
+from captionflow.workers import worker_log
+
+IDLE_EXIT_S = 900.0  # a prestarted process nobody asked for ends after this
+CORE_TARGET = "run_engine_core"
+HANDOFF_THREAD = "captionflow-core-handoff"
+
+_lock = threading.Lock()
+_waiting: list[tuple[Any, Any]] = []  # (process, the pipe's sending end): at most one
+
+
+def prestart() -> None:
+    """Spawn a process that imports vLLM's engine core now and then waits to be told to run it (once per process)."""
+    with _lock:
+        if _waiting:
+            return
+        ctx = multiprocessing.get_context("spawn")
+        receive, send = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=_wait_for_core, args=(receive,), name="EngineCore")
+        process.start()
+        receive.close()
+        _waiting.append((process, send))
+    atexit.register(_dismiss)
+
+
+def _dismiss() -> None:
+    """At exit: an unused prestarted process is told to go (multiprocessing joins its children at exit)."""
+    with _lock:
+        while _waiting:
+            process, send = _waiting.pop()
+            send.close()  # its recv ends
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+
+
+def _take() -> tuple[Any, Any] | None:
+    with _lock:
+        if not _waiting:
+            return None
+        process, send = _waiting.pop()
+    if process.is_alive():
+        return process, send
+    send.close()
+    return None
+
+
+def _wait_for_core(receive) -> None:
+    """The prestarted process: import what the core runs, wait for the work, run it as a spawned core would."""
+    import vllm.v1.engine.core  # noqa: F401  - what ~25 s of the core's start-up went to
+
+    if not receive.poll(IDLE_EXIT_S):
+        return
+    try:
+        target, name, args, kwargs, env = receive.recv()
+    except EOFError:  # the actor went or dismissed it
+        return
+    receive.close()
+    os.environ.clear()
+    os.environ.update(env)
+    multiprocessing.current_process().name = name
+    target(*args, **kwargs)
+
+
+def _deliver(send, work: bytes) -> None:
+    try:
+        send.send_bytes(work)
+    except OSError:  # the process died: vLLM's wait for its core sees it and says so
+        pass
+    finally:
+        send.close()
+
+
+class _Handoff:
+    """Stands in for the ``Process`` vLLM asked its context for: ``start()`` hands the work to the prestarted
+    process (or, if that died meanwhile, starts vLLM's own); everything else is the process's."""
+
+    def __init__(self, ctx, taken, target, name, args, kwargs):
+        self._ctx, self._taken = ctx, taken
+        self._work = (target, name, args, kwargs)
+        self._process = taken[0]
+
+    def start(self) -> None:
+        from multiprocessing.reduction import ForkingPickler
+
+        process, send = self._taken
+        target, name, args, kwargs = self._work
+        try:
+            if not process.is_alive():
+                raise BrokenPipeError("the prestarted process is gone")
+            work = ForkingPickler.dumps((target, name, args, kwargs, dict(os.environ)))  # as spawn pickles, now
+        except Exception as e:  # gone, or arguments that cannot be sent: vLLM's own path
+            send.close()
+            worker_log.say(f"engine core: the prestarted process was not used ({e!r}); starting one as vLLM does")
+            self._process = self._ctx.Process(target=target, name=name, args=args, kwargs=kwargs)
+            self._process.start()
+            return
+        # Written by a thread: the process reads once its imports are done, and vLLM's own wait for its core (with
+        # its time limit, watching the process) starts when this returns.
+        handoff = threading.Thread(target=_deliver, args=(send, bytes(work)), name=HANDOFF_THREAD, daemon=True)
+        handoff.start()
+        worker_log.say(f"engine core: runs in the process prestarted for it (pid {process.pid})")
+
+    def __getattr__(self, attr):
+        return getattr(self._process, attr)
+
+
+class _PrestartingContext:
+    """A multiprocessing context that hands out the prestarted process for the engine core's target."""
+
+    def __init__(self, ctx):
+        self._ctx = ctx
+
+    def Process(self, group=None, target=None, name=None, args=(), kwargs=None, *, daemon=None):
+        kwargs = dict(kwargs or {})
+        usable = (
+            getattr(target, "__name__", "") == CORE_TARGET
+            and self._ctx.get_start_method() == "spawn"
+            and not daemon
+            and kwargs.get("tensor_queue") is None  # a queue passes to a child only by inheritance
+            and _plain_executable()  # vLLM may wrap it (NUMA binding)
+        )
+        taken = _take() if usable else None
+        if taken is None:
+            return self._ctx.Process(group=group, target=target, name=name, args=args, kwargs=kwargs, daemon=daemon)
+        return _Handoff(self._ctx, taken, target, name or "EngineCore", args, kwargs)
+
+    def __getattr__(self, attr):
+        return getattr(self._ctx, attr)
+
+
+def _plain_executable() -> bool:
+    exe = multiprocessing.spawn.get_executable()
+    return exe is None or os.fsdecode(exe) == sys.executable
+
+
+def patch_engine_utils(module) -> bool:
+    """Make ``module`` (``vllm.v1.engine.utils``) start its engine cores in a prestarted process where there is one."""
+    get_mp_context = getattr(module, "get_mp_context", None)
+    if get_mp_context is None:
+        return False
+    if not getattr(get_mp_context, "_captionflow_patched", False):
+
+        def prestarting_mp_context(*args, **kwargs):
+            return _PrestartingContext(get_mp_context(*args, **kwargs))
+
+        prestarting_mp_context._captionflow_patched = True
+        module.get_mp_context = prestarting_mp_context
+    return True

@@ -1,0 +1,72 @@
+"""The engine core's process prestarted while the front end starts (captionflow/compat/core_prestart.py), with real
+vLLM (CPU build) and the built-in model, in a fresh interpreter set up as an engine actor is (the job's hook installed
+before vLLM is imported; vLLM's spawn start method, as inside a Ray actor)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+SCRIPT = textwrap.dedent("""
+    import asyncio, json, os, sys
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    from captionflow.compat import core_prestart, vllm_warmup
+    vllm_warmup.install()
+    prestarted = sys.argv[1] == "1"
+    if prestarted:
+        core_prestart.prestart()
+        waiting = core_prestart._waiting[0][0].pid
+    import psutil
+    from PIL import Image
+    from captionflow.builtin.model import ensure_builtin_model
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(model=str(ensure_builtin_model()), max_model_len=1024, enforce_eager=True,
+                           dtype="float32", kv_cache_memory_bytes=256 * 2**20,
+                           limit_mm_per_prompt={"image": 1, "video": 0},
+                           mm_processor_kwargs={"max_pixels": 224 * 224})
+    prompt = ("<|im_start|>user\\n<|vision_start|><|image_pad|><|vision_end|>Describe.<|im_end|>\\n"
+              "<|im_start|>assistant\\n")
+
+    async def main():
+        llm = AsyncLLM.from_engine_args(args)
+        # this process's children but multiprocessing's resource tracker: the engine core
+        children = [p.pid for p in psutil.Process().children() if "resource_tracker" not in " ".join(p.cmdline())]
+        request = {"prompt": prompt, "multi_modal_data": {"image": Image.new("RGB", (320, 240), (200, 30, 30))}}
+        async for out in llm.generate(request, SamplingParams(max_tokens=12, temperature=0.0), "r0"):
+            pass
+        llm.shutdown()
+        return children, list(out.outputs[0].token_ids)
+
+    children, tokens = asyncio.run(main())
+    print("RESULT " + json.dumps({"children": children, "tokens": tokens,
+                                   "prestarted": waiting if prestarted else None}))
+""")
+
+
+def _run(prestarted: bool, cwd) -> dict:
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, "1" if prestarted else "0"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(cwd),
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    return {**json.loads(line[7:]), "log": done.stdout + done.stderr}
+
+
+def test_the_engine_core_runs_in_the_process_prestarted_for_it_and_answers_as_vllms_own(builtin_model_dir, tmp_path):
+    own, ours = _run(prestarted=False, cwd=tmp_path), _run(prestarted=True, cwd=tmp_path)
+    assert ours["children"] == [ours["prestarted"]]  # the one core process is the prestarted one
+    assert len(own["children"]) == 1  # vLLM's own: one core, spawned when the front end asked for it
+    assert "runs in the process prestarted for it" in ours["log"]
+    assert ours["tokens"] == own["tokens"] and len(ours["tokens"]) == 12  # greedy: the same answer
+    assert "runs in the process prestarted for it" not in own["log"]
