@@ -47,6 +47,7 @@ import os
 import platform
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -271,11 +272,6 @@ _STATS = re.compile(
 )
 
 
-def _median(xs: list[float]) -> float | None:
-    xs = sorted(xs)
-    return None if not xs else xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
-
-
 def engine_load(t10: float, t90: float, max_tokens: int, ray_tmp: str = "/tmp/ray") -> dict | None:
     """What each engine core did between 10% and 90% of the results, from vLLM's own statistics lines
     (``--engine-stats``: one a second per engine): requests running and waiting (median), the share of
@@ -298,8 +294,8 @@ def engine_load(t10: float, t90: float, max_tokens: int, ray_tmp: str = "/tmp/ra
                 {
                     "log": f.name,
                     "seconds": len(rows),
-                    "running_median": _median([r[1] for r in rows]),
-                    "waiting_median": _median([r[2] for r in rows]),
+                    "running_median": statistics.median([r[1] for r in rows]),
+                    "waiting_median": statistics.median([r[2] for r in rows]),
                     "none_waiting_share": round(sum(r[2] == 0 for r in rows) / len(rows), 2),
                     "images_per_s": round(sum(r[0] for r in rows) / len(rows) / max(max_tokens, 1), 1),
                 }

@@ -11,7 +11,7 @@ this is redundant and harmless).
 
 ``install`` is Ray's ``worker_process_setup_hook`` for the job (``SETUP_HOOK``, set by
 ``captionflow.pipeline.session.ray_session`` for the GPU preset and on a Ray cluster; Ray ignores one given to a
-single actor). It imports nothing: when vLLM's
+single actor). It imports no vLLM: when vLLM's
 modules in ``PATCHES`` are imported later in a worker, (1) ``InputProcessor`` is wrapped so that, once
 constructed (before the engine core - a separate process - has loaded and compiled the model), a
 background thread asks the renderer's multimodal processor for its HF processor with the request
@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 
+from captionflow.compat import core_prestart
 from captionflow.workers import worker_log
 
 SETUP_HOOK = "captionflow.compat.vllm_warmup.install"
@@ -70,13 +71,17 @@ def processor_ready(renderer) -> None:
         mm.info.get_hf_processor()  # from vLLM's cache once built
 
 
-def _wrap_init(cls, after) -> None:
+def _wrap_init(cls, after=None, *, before=None) -> None:
+    """``cls.__init__`` calls ``before(self)`` first and ``after(self)`` last (once patched, never again)."""
     init = cls.__init__
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
+        if before is not None:
+            before(self)
         init(self, *args, **kwargs)
-        after(self)
+        if after is not None:
+            after(self)
 
     cls.__init__ = __init__
     cls._captionflow_patched = True
@@ -159,34 +164,22 @@ def patch_engine_stage(module) -> bool:
     """Ray Data LLM's engine stage actor prestarts its engine core's process first thing, before it imports vLLM
     (``core_prestart``); a UDF class that attaches to a core started elsewhere says so with
     ``captionflow_own_core = False``."""
-    from captionflow.compat import core_prestart
-
     cls = getattr(module, "vLLMEngineStageUDF", None)
     if cls is not None and not getattr(cls, "_captionflow_patched", False):
-        init = cls.__init__
-
-        @functools.wraps(init)
-        def __init__(self, *args, **kwargs):
-            if getattr(self, "captionflow_own_core", True):
-                core_prestart.prestart()
-            init(self, *args, **kwargs)
-
-        cls.__init__ = __init__
-        cls._captionflow_patched = True
+        _wrap_init(cls, before=_prestart_own_core)
     return cls is not None
 
 
-def patch_engine_utils(module) -> bool:
-    from captionflow.compat import core_prestart
-
-    return core_prestart.patch_engine_utils(module)
+def _prestart_own_core(udf) -> None:
+    if getattr(udf, "captionflow_own_core", True):
+        core_prestart.prestart()
 
 
 ACCEPTING = "vLLM engine accepting requests at"
 PATCHES = {
     "vllm.v1.engine.input_processor": patch_input_processor,
     "vllm.v1.engine.async_llm": patch_async_llm,
-    "vllm.v1.engine.utils": patch_engine_utils,
+    "vllm.v1.engine.utils": core_prestart.patch_engine_utils,
     "ray.llm._internal.batch.stages.vllm_engine_stage": patch_engine_stage,
 }
 
