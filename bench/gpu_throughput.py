@@ -419,6 +419,8 @@ def _run_config(a: argparse.Namespace, output: str):
 
     layout = {"engines_per_gpu": a.engines_per_gpu, "front_ends": a.front_ends}
     extra = {**json.loads(a.pipeline_config), **{k: v for k, v in layout.items() if v}}
+    # the pipeline's own engine arguments (e.g. a prefill cadence) on top of those every phase gets
+    engine_kwargs = {**json.loads(a.engine_kwargs), **extra.pop("engine_kwargs", {})}
     return RunConfig(
         dataset=a.images,
         output=output,
@@ -431,7 +433,7 @@ def _run_config(a: argparse.Namespace, output: str):
         max_image_side=a.max_image_side,
         system_prompt=SYSTEM_PROMPT,
         prompt=PROMPT,
-        engine_kwargs=json.loads(a.engine_kwargs),
+        engine_kwargs=engine_kwargs,
         commit_rows=32,
         **extra,
     )
