@@ -40,9 +40,13 @@ def scheduler(*args: Any, vllm_config: Any, **kwargs: Any) -> Any:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler as base
     else:
         from vllm.v1.core.sched.scheduler import Scheduler as base
+    from captionflow.workers import worker_log
+
     cls = _classes.get(base)
     if cls is None:
         cls = _classes[base] = type(f"Cadenced{base.__name__}", (_Cadence, base), {})
+    k = vllm_config.scheduler_config.prefill_schedule_interval
+    worker_log.say(f"prefill cadence: new requests join the running ones every {k} steps ({cls.__name__})")
     return cls(*args, vllm_config=vllm_config, **kwargs)
 
 

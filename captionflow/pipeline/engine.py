@@ -289,6 +289,8 @@ NOT_COMPILED = frozenset(
         "disable_log_stats",
         "seed",
         "compilation_config",
+        "prefill_schedule_interval",  # the scheduler's, not the graphs' (vLLM's own key leaves it out too)
+        "scheduler_cls",
     }
 )
 
