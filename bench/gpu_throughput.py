@@ -995,6 +995,8 @@ def main() -> int:
             "front_ends": a.front_ends,
             "cuda_mps": a.cuda_mps,
         },
+        # vLLM environment variables of the run (e.g. VLLM_USE_V2_MODEL_RUNNER=0): the engines inherit them
+        "vllm_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_")},
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     out = Path(a.json) if a.json else None

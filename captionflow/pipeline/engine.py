@@ -21,7 +21,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from captionflow.compat import prefill_cadence
 from captionflow.config import RunConfig
 from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.device import local_gpu_memory_bytes
@@ -125,8 +124,6 @@ SPEED_ONLY = frozenset(
         "max_seq_len_to_capture",
         "mm_processor_kwargs",  # its max_pixels is output_params' own entry
         "renderer_num_workers",  # the front end's threads, from the host's cores
-        "prefill_schedule_interval",  # when new requests join the running batch (compat/prefill_cadence.py)
-        "scheduler_cls",
     }
 )
 
@@ -183,7 +180,7 @@ def resolve_engine(
     }
 
     def final(layout: dict[str, Any]) -> dict[str, Any]:
-        kwargs = prefill_cadence.engine_kwargs({**base_kwargs, **layout, **cfg.engine_kwargs})
+        kwargs = {**base_kwargs, **layout, **cfg.engine_kwargs}
         if not kwargs.get("enforce_eager"):  # compiled graphs kept where every checkpoint of this kind finds them
             compilation = dict(kwargs.get("compilation_config") or {})
             compilation.setdefault("cache_dir", compile_cache_dir(cfg, model, kwargs, cfg.accelerator_type))
@@ -289,8 +286,6 @@ NOT_COMPILED = frozenset(
         "disable_log_stats",
         "seed",
         "compilation_config",
-        "prefill_schedule_interval",  # the scheduler's, not the graphs' (vLLM's own key leaves it out too)
-        "scheduler_cls",
     }
 )
 

@@ -136,16 +136,3 @@ def test_the_captions_fingerprint_does_not_depend_on_the_hosts_cores(builtin_mod
         made[cores] = resolve_engine(cfg, model, GPU, gpus=1, local_ray=True)
     assert made[64].engine_kwargs["renderer_num_workers"] != made[8].engine_kwargs["renderer_num_workers"]
     assert made[64].output_params() == made[8].output_params()
-
-
-def test_a_prefill_cadence_names_its_scheduler_and_changes_neither_captions_nor_compiled_graphs(builtin_model_dir):
-    """compat/prefill_cadence.py: only the order of the engine's work changes."""
-    from captionflow.compat.prefill_cadence import SCHEDULER
-
-    model = resolve_model("builtin")
-    plain = resolve_engine(RunConfig(gpu_memory_gib=80, cuda_mps="off"), model, GPU, gpus=1)
-    cfg = RunConfig(gpu_memory_gib=80, cuda_mps="off", engine_kwargs={"prefill_schedule_interval": 8})
-    cadenced = resolve_engine(cfg, model, GPU, gpus=1)
-    assert cadenced.engine_kwargs["scheduler_cls"] == SCHEDULER and "scheduler_cls" not in plain.engine_kwargs
-    assert cadenced.output_params() == plain.output_params()
-    assert cadenced.compile_dir == plain.compile_dir
