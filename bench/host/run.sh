@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The GPU benchmark on the offline GPU host (shared/GPU-HOST.md), from the wheelhouse parts of
 # infra/wheelhouse/build_wheelhouse.sh already copied to PARTS_DIR; installs once into /tmp/cf-site.
-#   bench/host/run.sh PARTS_DIR [bench/gpu_throughput.py options]
+#   bench/host/run.sh PARTS_DIR [NAME=VALUE ...] [bench/gpu_throughput.py options]
+#   (leading NAME=VALUE words: environment for this run, e.g. VLLM_USE_V2_MODEL_RUNNER=0; the engines inherit it)
 # Results: $BENCH_WORK/gpu_throughput.json (default /tmp/cf-bench; and $OUT/ with the phases' logs, when OUT is set).
 set -uo pipefail
 PARTS=${1:?parts folder}
 shift
+while [[ $# -gt 0 && $1 =~ ^[A-Z_][A-Z0-9_]*= ]]; do export "$1"; shift; done
 source bench/host/env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 WORK=${BENCH_WORK:-/tmp/cf-bench}

@@ -8,6 +8,8 @@
 # Each NAME=OPTIONS is one benchmark invocation, one after the other (sharing /tmp/cf-bench: the images and the
 # stand-in are made once), with gpu_throughput.py OPTIONS
 # (default: "h100=--phases raw,stage,flow"): /tmp/cf-results/gpu_throughput-NAME.json, NAME-phase-*.log.
+# OPTIONS may start with NAME=VALUE words, the environment of that invocation alone (bench/host/run.sh), e.g.
+# "v1=VLLM_USE_V2_MODEL_RUNNER=0 --phases stage".
 set -uo pipefail
 PARTS=${1:?parts folder}
 shift
