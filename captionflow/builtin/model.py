@@ -109,32 +109,9 @@ def _build_tokenizer(out: Path) -> dict[str, int]:
     tok = train_bpe(_training_text(), SPECIAL_TOKENS)
     tok.save(str(out / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
-    added = {
-        str(ids[t]): {
-            "content": t,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for t in SPECIAL_TOKENS
-    }
     _write_json(
         out / "tokenizer_config.json",
-        {
-            "tokenizer_class": "Qwen2Tokenizer",
-            "added_tokens_decoder": added,
-            "bos_token": None,
-            "eos_token": "<|im_end|>",
-            "pad_token": "<|endoftext|>",
-            "unk_token": None,
-            "model_max_length": 4096,
-            "clean_up_tokenization_spaces": False,
-            "errors": "replace",
-            "split_special_tokens": False,
-            "processor_class": "Qwen2VLProcessor",
-        },
+        qwen_tokenizer_config({t: ids[t] for t in SPECIAL_TOKENS}, 4096, processor_class="Qwen2VLProcessor"),
     )
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     return ids
@@ -211,6 +188,36 @@ def _build_weights(config_dir: Path, out: Path, seed: int = 0) -> int:
         state[name] = t.contiguous()
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return sum(t.numel() for t in state.values())
+
+
+def qwen_tokenizer_config(special: dict[str, int], model_max_length: int, processor_class: str | None = None) -> dict:
+    """A Qwen2 tokenizer's tokenizer_config.json with these special tokens (token: id), for the built-in model and
+    the stand-ins alike."""
+    conf = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "added_tokens_decoder": {
+            str(i): {
+                "content": t,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for t, i in special.items()
+        },
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+        "errors": "replace",
+        "split_special_tokens": False,
+    }
+    if processor_class:
+        conf["processor_class"] = processor_class
+    return conf
 
 
 def qwen_image_processor_config(processor_class: str, min_pixels: int, max_pixels: int) -> dict:

@@ -21,7 +21,13 @@ import json
 import os
 from pathlib import Path
 
-from captionflow.builtin.model import CHAT_TEMPLATE, _training_text, _write_json, qwen_image_processor_config
+from captionflow.builtin.model import (
+    CHAT_TEMPLATE,
+    _training_text,
+    _write_json,
+    qwen_image_processor_config,
+    qwen_tokenizer_config,
+)
 
 QWEN_REGULAR_TOKENS = 151_643
 QWEN_SPECIAL_TOKENS = [
@@ -189,31 +195,7 @@ def build_tokenizer(out: Path) -> None:
     tok.add_special_tokens(QWEN_SPECIAL_TOKENS)
     assert all(tok.token_to_id(t) == i for t, i in QWEN_IDS.items())
     tok.save(str(out / "tokenizer.json"))
-    _write_json(
-        out / "tokenizer_config.json",
-        {
-            "tokenizer_class": "Qwen2Tokenizer",
-            "added_tokens_decoder": {
-                str(i): {
-                    "content": t,
-                    "lstrip": False,
-                    "normalized": False,
-                    "rstrip": False,
-                    "single_word": False,
-                    "special": True,
-                }
-                for t, i in QWEN_IDS.items()
-            },
-            "bos_token": None,
-            "eos_token": "<|im_end|>",
-            "pad_token": "<|endoftext|>",
-            "unk_token": None,
-            "model_max_length": 131072,
-            "clean_up_tokenization_spaces": False,
-            "errors": "replace",
-            "split_special_tokens": False,
-        },
-    )
+    _write_json(out / "tokenizer_config.json", qwen_tokenizer_config(QWEN_IDS, 131072))
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
 
 
