@@ -419,7 +419,7 @@ def _run_config(a: argparse.Namespace, output: str):
 
     layout = {"engines_per_gpu": a.engines_per_gpu, "front_ends": a.front_ends}
     extra = {**json.loads(a.pipeline_config), **{k: v for k, v in layout.items() if v}}
-    # the pipeline's own engine arguments (e.g. a prefill cadence) on top of those every phase gets
+    # the pipeline's own engine arguments (not the raw engine's) on top of those every phase gets
     engine_kwargs = {**json.loads(a.engine_kwargs), **extra.pop("engine_kwargs", {})}
     return RunConfig(
         dataset=a.images,

@@ -111,7 +111,7 @@ def _build_tokenizer(out: Path) -> dict[str, int]:
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     _write_json(
         out / "tokenizer_config.json",
-        qwen_tokenizer_config({t: ids[t] for t in SPECIAL_TOKENS}, 4096, processor_class="Qwen2VLProcessor"),
+        qwen_tokenizer_config(ids, 4096, processor_class="Qwen2VLProcessor"),
     )
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     return ids
