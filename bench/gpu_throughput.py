@@ -27,9 +27,14 @@ utilisation and memory through NVML. Throughput is reported two ways:
     not amortise.
   - between 10% and 90% of the results (``images_per_s_10_90``, GPU figures in ``gpu_10_90``): the
     pipeline's steady state proper, without its fill (the first decode wave) and its drain (the
-    last engine finishing its queue). For A this window comes after every input was processed and
-    queued (``generate`` adds them all before it collects outputs), so it shows one engine draining
-    a full queue, the GPU-side ceiling of raw vLLM, not a rate a script sustains.
+    last engine finishing its queue). For A this window is not the engine's: ``generate`` adds every
+    input (rendering each, which paces the engine) before it collects any output, so its results
+    arrive in a burst of what the core had finished meanwhile. ``engine_finished`` times A's outputs
+    by the engine core's own clock instead.
+  - the single-engine ceiling (A's ``ceiling``, ``ceiling_images_per_s``): after A, the same engine
+    gets every request rendered first (mirrored images, new to its caches), all added at once, and
+    drains them; its 10-90% rate by the engine core's clock, with the GPU figures of that window.
+    ``steady_vs_ceiling`` is B's steady rate over it. ``--no-ceiling`` skips it.
 ``ratios`` (the headline) are steady ratios; ``ratios_wall`` include start-up; ``per_gpu_vs_seed``
 is each phase's steady images/s per GPU over the seeds' 6.3. ``gpu_trace`` keeps each phase's GPU
 busy %, GPU memory and host CPU busy % second by second.
@@ -276,7 +281,8 @@ def engine_load(t10: float, t90: float, max_tokens: int, ray_tmp: str = "/tmp/ra
     """What each engine core did between 10% and 90% of the results, from vLLM's own statistics lines
     (``--engine-stats``: one a second per engine): requests running and waiting (median), the share of
     seconds with none waiting (the engine starved: whatever feeds it is slower), and its generation
-    rate in images/s (output tokens / ``max_tokens``). None without such lines."""
+    rate in images/s (output tokens / ``max_tokens`` over the window; a line covers one second). None without
+    such lines."""
     year = time.localtime().tm_year
     per_engine = []
     for f in _worker_logs(ray_tmp):
@@ -297,7 +303,8 @@ def engine_load(t10: float, t90: float, max_tokens: int, ray_tmp: str = "/tmp/ra
                     "running_median": statistics.median([r[1] for r in rows]),
                     "waiting_median": statistics.median([r[2] for r in rows]),
                     "none_waiting_share": round(sum(r[2] == 0 for r in rows) / len(rows), 2),
-                    "images_per_s": round(sum(r[0] for r in rows) / len(rows) / max(max_tokens, 1), 1),
+                    # tokens over the window, not per line: an idle engine logs no line
+                    "images_per_s": round(sum(r[0] for r in rows) / max(t90 - t10, 1) / max(max_tokens, 1), 1),
                 }
             )
     if not per_engine:
@@ -346,6 +353,7 @@ def phase_raw(a: argparse.Namespace) -> dict:
         "mm_processor_kwargs": {"max_pixels": a.max_pixels},
         **preset.engine_kwargs,
         **json.loads(a.engine_kwargs),
+        "disable_log_stats": False,  # each output then carries the engine core's timestamps (``engine_rates``)
     }
     llm = LLM(model=a.model, **kwargs)
     t_engine = time.time()
@@ -408,6 +416,66 @@ def phase_raw(a: argparse.Namespace) -> dict:
             "mean_input_tokens": round(in_tok, 1),
             "output_tokens": out_tok,
             "engine_kwargs": kwargs,
+            # the same outputs timed when the engine core finished them: generate() collects outputs only after it
+            # added every input, so the times above bunch up what the core had finished while inputs were added
+            "engine_finished": engine_rates(outs),
+        }
+    )
+    if a.ceiling:
+        from PIL import ImageOps
+
+        mirrored = [
+            {**x, "multi_modal_data": {"image": ImageOps.mirror(x["multi_modal_data"]["image"])}} for x in inputs
+        ]
+        r["ceiling"] = drain_full_queue(llm, mirrored, sp)
+    return r
+
+
+def _core_clock_offset() -> float:
+    """Unix time minus the engine core's clock (``time.monotonic``, one clock for every process of a Linux host)."""
+    return time.time() - time.monotonic()
+
+
+def engine_rates(outs: list) -> dict | None:
+    """Rates from when the engine core produced each request's last token (``RequestOutput.metrics``, the core's
+    own timestamp; vLLM keeps it when its statistics are on): 10-90% of the results and first to last."""
+    ends = sorted(o.metrics.last_token_ts for o in outs if getattr(o, "metrics", None) and o.metrics.last_token_ts)
+    if len(ends) < max(10, len(outs) // 2):
+        return None
+    offset = _core_clock_offset()
+    t10, t90 = mid_window([(t, 1) for t in ends], len(ends))
+    return {
+        "t10": t10 + offset,
+        "t90": t90 + offset,
+        "images_per_s_10_90": round(0.8 * len(ends) / (t90 - t10), 2) if t90 > t10 else None,
+        "images_per_s_first_to_last": round(len(ends) / (ends[-1] - ends[0]), 2) if ends[-1] > ends[0] else None,
+        "t_first": ends[0] + offset,
+        "t_last": ends[-1] + offset,
+    }
+
+
+def drain_full_queue(llm, inputs: list, params) -> dict:
+    """One engine draining a full queue, the single-engine ceiling: every request rendered first (vLLM's own
+    renderer, in this process), then all added to an engine that is already up, then drained; rates from the
+    engine core's own finish times (``engine_rates``). ``inputs``' images must be new to the engine (its prefix
+    and encoder caches would otherwise skip their work)."""
+    from vllm import RequestOutput
+
+    t0 = time.time()
+    rendered = llm._preprocess_cmpl(inputs)  # what generate() renders one by one
+    t_rendered = time.time()
+    llm._render_and_add_requests(prompts=rendered, params=[params] * len(rendered))
+    t_added = time.time()
+    outs = llm._run_engine(output_type=RequestOutput, use_tqdm=False)
+    t_end = time.time()
+    r = engine_rates(outs) or {}
+    r.update(
+        {
+            "images": len(outs),
+            "render_s": round(t_rendered - t0, 2),
+            "add_s": round(t_added - t_rendered, 2),
+            "added_to_last_s": round(t_end - t_rendered, 2),
+            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
         }
     )
     return r
@@ -767,7 +835,9 @@ def _verdict(a: argparse.Namespace, sampler: GpuSampler, prefect_env: dict) -> d
         _warm_engines(a, res, images, ckpt_a, ckpt_c, kwargs, env, cc)
     raw = {}
     if "raw" in todo:
-        args = argparse.Namespace(**{**vars(a), "images": images, "model": ckpt_a, "engine_kwargs": kwargs})
+        args = argparse.Namespace(
+            **{**vars(a), "images": images, "model": ckpt_a, "engine_kwargs": kwargs, "ceiling": False}
+        )
         raw = run_phase("raw", args, sampler)
         keep = ("wall_s", "import_s", "engine_start_s", "images_per_s", "error", "log_tail")
         res["raw"] = {k: raw.get(k) for k in keep}
@@ -874,6 +944,8 @@ def run_phase(name: str, a: argparse.Namespace, sampler: GpuSampler) -> dict:
         cmd += ["--engines-per-gpu", str(a.engines_per_gpu)]
     if a.front_ends:
         cmd += ["--front-ends", str(a.front_ends)]
+    if not a.ceiling:
+        cmd += ["--no-ceiling"]
     t0 = time.time()
     log = Path(a.work) / f"phase-{name}.log"
     try:
@@ -892,6 +964,9 @@ def run_phase(name: str, a: argparse.Namespace, sampler: GpuSampler) -> dict:
     r["gpu_steady"] = sampler.window(r["t_steady"], r["t_last"])
     if "t10" in r:  # results flowing: between the pipeline's fill and its drain
         r["gpu_10_90"] = sampler.window(r["t10"], r["t90"])
+    for timed in ("engine_finished", "ceiling"):  # raw: the same windows by the engine core's clock
+        if "t10" in (r.get(timed) or {}):
+            r[timed]["gpu_10_90"] = sampler.window(r[timed]["t10"], r[timed]["t90"])
     r["gpu_whole_phase"] = sampler.window(t0, time.time())
     r["gpu_trace"] = {
         "columns": ["s since phase start", "GPU busy %", "GPU memory GiB", "host CPU busy %"],
@@ -964,6 +1039,12 @@ def main() -> int:
         help="the verdict's runs report to a Prefect server started once (as deployments' runs do), or each "
         "starts Prefect's temporary server",
     )
+    ap.add_argument(
+        "--no-ceiling",
+        dest="ceiling",
+        action="store_false",
+        help="raw phase: skip the single-engine ceiling (every request rendered first, then drained)",
+    )
     ap.add_argument("--phase-timeout", type=float, default=900)
     ap.add_argument("--work", help="working folder (default: a new temporary one)")
     ap.add_argument("--json", help="results file (default bench/results/gpu_throughput-<gpu>.json)")
@@ -1029,8 +1110,10 @@ def _finish(results: dict) -> None:
             if other.get("images_per_s_from_engine_log"):
                 log_basis[key] = round(other["images_per_s_from_engine_log"] / raw["images_per_s"], 3)
     results["ratios"], results["ratios_wall"] = ratios, wall
-    # the pipeline against one engine draining a full queue (raw's 10-90% window), in this invocation
-    ceiling = raw.get("images_per_s_10_90")
+    # the pipeline against one engine draining a full queue, in this invocation: raw's ceiling pass, timed by the
+    # engine core (the plain pass's 10-90% window, timed as generate() collects, bunches up outputs the core had
+    # finished while inputs were still being added)
+    ceiling = (raw.get("ceiling") or {}).get("images_per_s_10_90")
     stage = results.get("stage") or {}
     if ceiling and stage.get("images_per_s"):
         results["ceiling_images_per_s"] = ceiling
@@ -1078,6 +1161,14 @@ def _table(results: dict) -> None:
         f"{'GPU busy % (10-90%)':28}"
         + "".join(f"{(results[c].get('gpu_10_90') or {}).get('gpu_busy_pct')!s:>12}" for c in cols)
     )
+    ceiling = (results.get("raw") or {}).get("ceiling") or {}
+    if ceiling.get("images_per_s_10_90"):
+        print(
+            f"{'ceiling images/s (10-90%)':28}{ceiling['images_per_s_10_90']!s:>12}"
+            f"  (GPU busy {(ceiling.get('gpu_10_90') or {}).get('gpu_busy_pct')}%,"
+            f" rendered in {ceiling.get('render_s')} s,"
+            f" added in {ceiling.get('add_s')} s)"
+        )
     print(
         f"{'host CPU busy % (steady)':28}"
         + "".join(f"{results[c]['gpu_steady'].get('host_cpu_busy_pct')!s:>12}" for c in cols)
