@@ -1161,6 +1161,9 @@ def _table(results: dict) -> None:
         f"{'GPU busy % (10-90%)':28}"
         + "".join(f"{(results[c].get('gpu_10_90') or {}).get('gpu_busy_pct')!s:>12}" for c in cols)
     )
+    finished = (results.get("raw") or {}).get("engine_finished") or {}
+    if finished.get("images_per_s_10_90"):  # raw's 10-90% row above is as generate() collected
+        print(f"{'raw by the engine clock 10-90%':28}{finished['images_per_s_10_90']!s:>12}")
     ceiling = (results.get("raw") or {}).get("ceiling") or {}
     if ceiling.get("images_per_s_10_90"):
         print(
