@@ -154,6 +154,13 @@ def mid_window(finished: list[tuple[float, int]], n: int, lo: float = 0.1, hi: f
     return t_lo, t_hi
 
 
+def rate_10_90(finished: list[tuple[float, int]], n: int) -> dict:
+    """The window between 10% and 90% of the ``n`` results (``finished``: sorted (time, rows)) and the rate in
+    it; empty if the window has no length."""
+    t10, t90 = mid_window(finished, n)
+    return {"t10": t10, "t90": t90, "images_per_s_10_90": round(0.8 * n / (t90 - t10), 2)} if t90 > t10 else {}
+
+
 def rates(
     n: int,
     t_start: float,
@@ -168,11 +175,7 @@ def rates(
     With ``finished`` (sorted (time, rows) of every result), also the rate between 10% and 90% of
     the results (``images_per_s_10_90``, window ``t10``-``t90``)."""
     steady_s = t_last - t_steady
-    mid = {}
-    if finished:
-        t10, t90 = mid_window(finished, n)
-        if t90 > t10:
-            mid = {"t10": t10, "t90": t90, "images_per_s_10_90": round(0.8 * n / (t90 - t10), 2)}
+    mid = rate_10_90(finished, n) if finished else {}
     return {
         **mid,
         "images": n,
@@ -443,11 +446,8 @@ def engine_rates(outs: list) -> dict | None:
     if len(ends) < max(10, len(outs) // 2):
         return None
     offset = _core_clock_offset()
-    t10, t90 = mid_window([(t, 1) for t in ends], len(ends))
     return {
-        "t10": t10 + offset,
-        "t90": t90 + offset,
-        "images_per_s_10_90": round(0.8 * len(ends) / (t90 - t10), 2) if t90 > t10 else None,
+        **rate_10_90([(t + offset, 1) for t in ends], len(ends)),
         "images_per_s_first_to_last": round(len(ends) / (ends[-1] - ends[0]), 2) if ends[-1] > ends[0] else None,
         "t_first": ends[0] + offset,
         "t_last": ends[-1] + offset,
