@@ -5,10 +5,10 @@ with ``max(physical cores, ceil(sum of the declared shares) + 1)`` logical CPUs,
 can be placed at once on a small machine (``pipeline/session.py``; docs/sizing.md). The shares are
 bookkeeping: the busy process is the vLLM engine, which sizes its own threads to the physical cores.
 
-The GPU preset runs as many engines per GPU as its front ends need to keep the GPU fed, at most
-``max_engines_per_gpu`` and as many as fit in memory (weights + a fixed KV cache + overhead each): one vLLM
-0.26 engine's front end (one process) prepares ~120 images/s at 224 px while the GPU drains ~530 (H100),
-so one engine alone leaves the GPU three quarters idle; four share it under CUDA MPS. Images reach the
+The GPU preset runs as many engines per GPU as fit in memory (weights + a fixed KV cache + overhead each),
+at most ``max_engines_per_gpu``: one vLLM 0.26 engine cannot fill the GPU even with a full queue (its engine
+core's busy loop is CPU-bound: ~230 images/s at 224 px with an H100 ~75% busy, and its one front-end process
+prepares only ~120 images/s), while four under CUDA MPS keep it ~98% busy at ~1.1x that ceiling. Images reach the
 engines already fitted to the model's patch grid by Ray Data's CPU stages spread over the host. The rule
 and the measurements are in docs/sizing.md; ``engines_per_gpu`` overrides it. The warm engine service
 runs the same layout (``EngineSettings.service_engines``). ``front_ends`` instead runs one engine per GPU
@@ -107,8 +107,8 @@ GPU = Preset(
         "mm_processor_cache_gb": 0,
         "max_num_batched_tokens": 16384,
     },
-    # 4: the most that one H100's memory holds for a 3B model (7 + 4 + 4 GiB each), and the fewest whose
-    # front ends (~120 img/s each at 224 px) can feed its ~530 img/s (docs/sizing.md)
+    # 4: the most that one H100's memory holds for a 3B model (7 + 4 + 4 GiB each); fewer leave the GPU
+    # partly idle (docs/sizing.md)
     max_engines_per_gpu=4,
     kv_cache_bytes=4 * 2**30,  # each engine's when several share a GPU (engines_per_gpu > 1)
     engine_overhead_bytes=4 * 2**30,

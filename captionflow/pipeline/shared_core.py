@@ -2,7 +2,7 @@
 
 Why: a vLLM engine is a front end (one Python process: the HF image processor, tokenising, detokenising) and
 an engine core (the scheduler and the model on the GPU). One front end prepares ~120 images/s at 224 px on an
-H100 while the core could take ~530; several whole engines on one GPU feed it, but each reads all the weights
+H100 while the core could take ~230; several whole engines on one GPU feed it, but each reads all the weights
 every step for its own small batches. Here each GPU runs one engine core with the whole GPU's memory, and
 ``front_ends`` Ray Data LLM engine-stage actors - each holding ``1/front_ends`` of the GPU in Ray's books, so
 that Ray places that many on each GPU - are its clients, as vLLM's own ``--api-server-count`` does for its
