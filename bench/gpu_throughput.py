@@ -37,7 +37,10 @@ utilisation and memory through NVML. Throughput is reported two ways:
     ``steady_vs_ceiling`` is B's steady rate over it. ``--no-ceiling`` skips it.
 ``ratios`` (the headline) are steady ratios; ``ratios_wall`` include start-up; ``per_gpu_vs_seed``
 is each phase's steady images/s per GPU over the seeds' 6.3. ``gpu_trace`` keeps each phase's GPU
-busy %, GPU memory and host CPU busy % second by second.
+busy %, GPU memory and host CPU busy % second by second. Each verdict run keeps ``timeline_s`` (when its log
+first says each step: flow begins, checkpoint in the warm engines, dataset starts, warm stage up and its gate
+open, first batch back, first row in the driver, ...) and ``ray_data_progress`` (Ray Data's reports every 10 s
+of the captioning dataset: per operator rows done, tasks running and why more are held back, rows queued).
 
     python bench/gpu_throughput.py                 # N=2000, 224x224, all three phases
     python bench/gpu_throughput.py --n 500 --phases raw,stage
@@ -699,6 +702,7 @@ def _flow_timed(a, name: str, images: str, model: str, engine_kwargs: str, env: 
         "last_caption_after_s": round(stamps[-1][0] - t0, 2) if stamps else None,
         "leaderboard_row_after_s": round(row.stat().st_mtime - t0, 2) if row.exists() else None,
         "timeline_s": timeline(log.read_text(errors="replace"), t0),
+        "ray_data_progress": ray_data_progress(log.read_text(errors="replace"), t0),
         "captioned": s["counts"]["captioned"],
         "engines": s.get("engines"),
         "timings_s": s.get("timings_s"),
@@ -716,7 +720,9 @@ TIMELINE = {
     "dataset_starts": re.compile(DATE_TIME + r".*Starting execution of Dataset"),
     # a warm run's engine stage (pipeline/warm_stage.py: READY, FIRST_BACK)
     "warm_stage_ready": re.compile(DAY_TIME + r".*warm stage: handles to"),
+    "warm_gate_open": re.compile(DAY_TIME + r".*warm stage: the run's checkpoint is in the engines"),
     "warm_first_batch_back": re.compile(DAY_TIME + r".*warm stage: first batch back"),
+    "first_row_in_driver": re.compile(DAY_TIME + r".*inference: captioned \d+/"),
     "dataset_ends": re.compile(DATE_TIME + r".*Dataset .* execution finished"),
     "flow_ends": re.compile(DAY_TIME + r".*Flow run .* Finished in state"),
 }
@@ -746,6 +752,43 @@ def timeline(text: str, t0: float) -> dict:
                     when += 86400
             out[key] = round(when - t0, 2)
     return dict(sorted(out.items(), key=lambda kv: kv[1]))
+
+
+RAY_DATA_SNAPSHOT = re.compile(DATE_TIME + r".*-- ======= Running Dataset: (\S+) =======")
+RAY_DATA_OP = re.compile(r"-- (\S.*): (\d+)/(\d+)$")
+RAY_DATA_TASKS = re.compile(r"--   Tasks: (\d+)( \[[^\]]*\])?; Actors: (\d+)[^;]*; Queued blocks: (\d+)")
+
+
+def ray_data_progress(text: str, t0: float, limit: int = 12) -> list[dict]:
+    """Ray Data's progress reports (every 10 s) of the run's last dataset (the captioning one), compact: seconds
+    after ``t0``, then per operator "done/total, tasks running [why held back], actors, blocks queued"."""
+    import datetime as dt
+
+    snaps: list[dict] = []
+    op = None
+    for line in text.splitlines():
+        m = RAY_DATA_SNAPSHOT.search(line)
+        if m:
+            when = dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            snaps.append({"dataset": m.group(2), "t": round(when - t0, 1), "ops": {}})
+            op = None
+            continue
+        if not snaps:
+            continue
+        m = RAY_DATA_OP.search(line)
+        if m and "Total Progress" not in line:
+            op = m.group(1)
+            snaps[-1]["ops"][op] = f"{m.group(2)}/{m.group(3)}"
+            continue
+        m = RAY_DATA_TASKS.search(line)
+        if m and op:
+            held = (m.group(2) or "").strip()
+            snaps[-1]["ops"][op] += (
+                f", tasks {m.group(1)}{' ' + held if held else ''}, actors {m.group(3)}, queued {m.group(4)}"
+            )
+            op = None
+    last = snaps[-1]["dataset"] if snaps else None
+    return [{"t": x["t"], **x["ops"]} for x in snaps if x["dataset"] == last][:limit]
 
 
 def _stop(proc: subprocess.Popen, wait_s: float) -> None:

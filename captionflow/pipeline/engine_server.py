@@ -13,12 +13,17 @@ that produced it (``served_by``).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import os
 import time
 from typing import Any, Optional
 
 DATA = "__data"
 DIGEST_ROWS = 64  # embedding rows compared after a swap
+# Testing hook: seconds each swap takes longer (set in the service's environment), so that a run's warm stage is
+# up while its checkpoint is still being swapped in.
+SWAP_DELAY_ENV = "CAPTIONFLOW_INJECT_SWAP_DELAY_S"
 
 
 def _embedding_digest(worker, rows: int = DIGEST_ROWS) -> tuple[str, str]:
@@ -101,6 +106,9 @@ class CaptionEngine:
         """Load another checkpoint of the same architecture into the running engine; returns the seconds."""
         t0 = time.perf_counter()
         self.model_fingerprint = ""  # nothing this replica serves from now until the swap ends is attributed
+        delay = float(os.environ.get(SWAP_DELAY_ENV) or 0)
+        if delay:
+            await asyncio.sleep(delay)
         engine = self.llm.engine
         await engine.collective_rpc("reload_weights", kwargs={"weights_path": model_path})
         # what the engine computed with the old weights must go: the prefix cache (the system prompt's KV) and

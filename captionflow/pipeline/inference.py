@@ -122,13 +122,14 @@ def run_inference(
             t0 = time.perf_counter()
             local = ray_session(cfg).started_here
             timings["ray_init_s"] = round(time.perf_counter() - t0, 2)
-            with service.for_run(cfg, model, engine) as warm:
-                if warm is not None:
-                    engines = f"warm ({warm.how})"
-                    timings["warm_engine_s"] = warm.seconds
+            with service.for_run(cfg, model, engine) as warm:  # its checkpoint loads while the passes start
                 with staged(model.path, engine.compile_dir, local=local and warm is None) as path:
                     rows_for = _caption_rows(cfg, model, path, engine, store, shards, warm)
                     passes = run_passes(ledger, all_ids, done, cfg.row_retries, rows_for, progress)
+                if warm is not None:
+                    warm.wait()
+                    engines = f"warm ({warm.how})"
+                    timings["warm_engine_s"] = warm.seconds
             timings["inference_s"] = round(time.perf_counter() - t_start, 2)
     captioned = len(done & all_ids)
     result = InferenceResult(

@@ -144,6 +144,7 @@ def _warm_processor(config, warm, engine: EngineSettings, preprocess, postproces
     import ray.data
     from ray.llm._internal.batch.processor.base import Processor
 
+    from captionflow.pipeline import service
     from captionflow.pipeline.warm_stage import WarmEngineStage
 
     stage = WarmEngineStage(
@@ -151,6 +152,9 @@ def _warm_processor(config, warm, engine: EngineSettings, preprocess, postproces
             "app_names": warm.apps,
             "deployment_name": warm.deployment,
             "model_fingerprint": warm.model_fingerprint,
+            "token": warm.token,
+            "controller": (service.CONTROLLER, service.NAMESPACE),
+            "wait_s": service.SWAP_TIMEOUT_S,
         },
         map_batches_kwargs={
             "zero_copy_batch": True,

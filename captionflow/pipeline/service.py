@@ -33,7 +33,6 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -108,6 +107,11 @@ class ServiceController:
         }
         self.holder: Optional[dict[str, Any]] = None
         self._idle_task = None
+        # per run (its lease token): the engines, once its checkpoint is in every one and checked, or why not;
+        # the run's warm stage waits for one of them before it sends a row (wait_ready)
+        self.ready: dict[str, list[str]] = {}
+        self.failed: dict[str, str] = {}
+        self._changed: Any = None  # an asyncio.Event, made in the actor's event loop
 
     async def start_idle_timer(self) -> None:
         import asyncio
@@ -136,11 +140,22 @@ class ServiceController:
     async def release(self, token: str) -> None:
         if self.holder and self.holder["token"] == token:
             self.holder = None
+        self.ready.pop(token, None)
+        self.failed.pop(token, None)
         self.state["last_used"] = time.time()
+        self._notify()
 
     async def loaded(
-        self, apps: list[str], spec: str, model: str, model_path: str, model_fingerprint: str, swapped: bool
+        self,
+        apps: list[str],
+        spec: str,
+        model: str,
+        model_path: str,
+        model_fingerprint: str,
+        swapped: bool,
+        token: str = "",
     ) -> None:
+        """``model`` is in every engine of ``apps`` and checked: the run holding ``token`` may use them."""
         self.state.update(
             apps=list(apps),
             spec=spec,
@@ -150,6 +165,51 @@ class ServiceController:
             last_used=time.time(),
         )
         self.state["swaps"] += int(swapped)
+        if token:
+            self.ready[token] = list(apps)
+        self._notify()
+
+    async def load_failed(self, token: str, why: str) -> None:
+        self.failed[token] = why
+        self._notify()
+
+    async def wait_ready(self, token: str, timeout_s: float) -> dict[str, Any]:
+        """Once the run holding ``token`` has its checkpoint in every engine and checked: {"apps": ...}; else
+        {"error": why not} (the load failed, the run no longer holds the engines, the service stopped, or
+        nothing within ``timeout_s``)."""
+        import asyncio
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if token in self.ready:
+                return {"apps": self.ready[token]}
+            if token in self.failed:
+                return {"error": self.failed[token]}
+            if self.state["stopped"]:
+                return {"error": "the warm engine service has stopped"}
+            if not self.holder or self.holder["token"] != token:
+                return {"error": "the run no longer holds the warm engines"}
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return {"error": f"its checkpoint was not in the engines within {timeout_s:.0f} s"}
+            changed = self._event()
+            try:
+                await asyncio.wait_for(changed.wait(), min(left, 10.0))
+            except TimeoutError:
+                pass
+
+    def _event(self):
+        import asyncio
+
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
+
+    def _notify(self) -> None:
+        """Wake every wait_ready: something it looks at changed."""
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
     async def stop(self, why: str = "asked to stop") -> None:
         from ray import serve
@@ -157,6 +217,7 @@ class ServiceController:
         if not self.state["stopped"]:
             self.state["stopped"] = True
             self.state["stopped_why"] = why
+            self._notify()
             for app in self.state["apps"]:
                 try:
                     serve.delete(app)  # the engine's replica ends: its GPU share and CPUs are free
@@ -208,11 +269,6 @@ def _handle(app: str):
     from ray import serve
 
     return serve.get_deployment_handle(ENGINE, app)
-
-
-def verify(model: ResolvedModel, app: str) -> Optional[str]:
-    """None when ``app``'s engine holds ``model``'s weights, else why not (its embedding against the file's)."""
-    return _handle(app).check.remote(model.path).result(timeout_s=300)
 
 
 # ---------------------------------------------------------------- starting, finding, stopping
@@ -338,20 +394,42 @@ class _Lifeline:
 
 
 # ---------------------------------------------------------------- a run on the service
-@dataclass
-class WarmEngine:
-    """What a run uses: the engines' applications, and what it took to get the run's checkpoint loaded."""
+SWAP_TIMEOUT_S = 1800.0  # a swap, a check or a replacement of the engines
 
-    apps: list[str]
-    deployment: str
-    model_fingerprint: str
-    how: str  # "loaded" (already), "swapped" (hot swap), "replaced" (a new engine)
-    seconds: float
+
+class WarmEngine:
+    """What a run uses: the engines' applications (as expected when the run took the service: the warm stage gets
+    the final list from the controller), the run's lease token, and - once ``wait`` returns - how its checkpoint
+    got into them: "loaded" (already), "swapped" (hot swap), "replaced" (new engines), in ``seconds``.
+
+    The checkpoint is loaded in the background while the run's dataset starts (its reads, its requests, its warm
+    stage's actor); the warm stage sends no row before the controller says that this run's checkpoint is in
+    every engine and checked (``ServiceController.wait_ready``)."""
+
+    deployment = ENGINE
+
+    def __init__(self, apps: list[str], model_fingerprint: str, token: str):
+        import threading
+
+        self.apps, self.model_fingerprint, self.token = apps, model_fingerprint, token
+        self.how, self.seconds = "", 0.0
+        self.error: Optional[BaseException] = None
+        self.done = threading.Event()
+
+    def wait(self) -> WarmEngine:
+        """Once the checkpoint is in (or its load failed: raises why)."""
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self
 
 
 @contextlib.contextmanager
 def use(model: ResolvedModel, engine: EngineSettings, owner: str, wait_s: float) -> Iterator[WarmEngine]:
-    """Hold the service for one run: wait for it, get ``model`` loaded (swap, check, replace), and give it back."""
+    """Hold the service for one run: wait for it, get ``model`` loaded (swap, check, replace) while the run goes
+    on, and give it back once the run and the load are over."""
+    import threading
+
     import ray
 
     c = _controller()
@@ -372,77 +450,105 @@ def use(model: ResolvedModel, engine: EngineSettings, owner: str, wait_s: float)
             said = max(waited, 1e-9)
         time.sleep(1.0)
     token = got["token"]
-    lifeline = _Lifeline() if local_service_address() else None
+    loading = None
     try:
-        warm = _load(c, model, engine)
-        if lifeline:
-            with lifeline:
+        info = ray.get(c.describe.remote(), timeout=60)
+        spec = engine_spec(model, engine)
+        same = info["spec"] == spec and info["apps"]  # else _load replaces them with the run's layout
+        warm = WarmEngine(
+            list(info["apps"]) if same else app_names(engine.service_engines()[1]), model.fingerprint, token
+        )
+        loading = threading.Thread(
+            target=_load, args=(c, model, engine, info, spec, warm), name="captionflow-warm-load", daemon=True
+        )
+        loading.start()
+        with _Lifeline() if local_service_address() else contextlib.nullcontext():
+            try:
                 yield warm
-        else:
-            yield warm
+            except BaseException:
+                warm.done.wait()
+                if warm.error is not None:  # the run failed because its checkpoint did not get in: say why
+                    raise warm.error from None
+                raise
     finally:
+        if loading is not None:
+            loading.join()  # the lease goes only once no swap runs on the engines
         try:
             ray.get(c.release.remote(token), timeout=60)
         except Exception:  # the service went away: nothing to give back
             pass
 
 
-def _load(c, model: ResolvedModel, engine: EngineSettings) -> WarmEngine:
+def _load(c, model: ResolvedModel, engine: EngineSettings, info: dict, spec: str, warm: WarmEngine) -> None:
+    """Get ``model`` into the service's engines (``info``: the controller's state when the run took it) and tell
+    the controller, for ``warm``'s run; runs in the background (``use``): the outcome goes to ``warm``."""
     import ray
 
-    info = ray.get(c.describe.remote(), timeout=60)
-    spec = engine_spec(model, engine)
     settings, n = engine.service_engines()
     t0 = time.perf_counter()
     apps, how = list(info["apps"]), "loaded"
     try:
-        if info["spec"] != spec or not apps:
-            log.warning(
-                "warm engines: %s needs another architecture or other engine settings: replacing the engines",
-                model.source,
-            )
-            apps = _replace_all(model, settings, apps, app_names(n))
-            how = "replaced"
-        elif info["model_fingerprint"] != model.fingerprint:
-            bad = _swap(model, apps)
-            if bad:
+        try:
+            if info["spec"] != spec or not apps:
                 log.warning(
-                    "warm engines: the swap to %s did not take on %s: replacing %s",
+                    "warm engines: %s needs another architecture or other engine settings: replacing the engines",
                     model.source,
-                    "; ".join(f"{app} ({why})" for app, why in bad.items()),
-                    "it" if len(bad) == 1 else "them",
                 )
-                _deploy(model, settings, list(bad))
-            how = "replaced" if len(bad) == len(apps) else "swapped"
-    except CaptionflowError:
-        raise
-    except Exception as e:
-        raise EngineFailed(f"warm engines: loading {model.source} failed: {type(e).__name__}: {str(e)[:300]}") from e
-    ray.get(c.loaded.remote(apps, spec, model.source, model.path, model.fingerprint, how == "swapped"), timeout=60)
-    return WarmEngine(
-        apps=apps,
-        deployment=ENGINE,
-        model_fingerprint=model.fingerprint,
-        how=how,
-        seconds=round(time.perf_counter() - t0, 2),
-    )
+                apps = _replace_all(model, settings, apps, app_names(n))
+                how = "replaced"
+            elif info["model_fingerprint"] != model.fingerprint:
+                bad = _swap(model, apps)
+                if bad:
+                    log.warning(
+                        "warm engines: the swap to %s did not take on %s: replacing %s",
+                        model.source,
+                        "; ".join(f"{app} ({why})" for app, why in bad.items()),
+                        "it" if len(bad) == 1 else "them",
+                    )
+                    _deploy(model, settings, list(bad))
+                how = "replaced" if len(bad) == len(apps) else "swapped"
+        except CaptionflowError:
+            raise
+        except Exception as e:
+            raise EngineFailed(
+                f"warm engines: loading {model.source} failed: {type(e).__name__}: {str(e)[:300]}"
+            ) from e
+        ray.get(
+            c.loaded.remote(apps, spec, model.source, model.path, model.fingerprint, how == "swapped", warm.token),
+            timeout=60,
+        )
+        warm.apps, warm.how, warm.seconds = apps, how, round(time.perf_counter() - t0, 2)
+    except BaseException as e:
+        warm.error = e
+        try:
+            ray.get(c.load_failed.remote(warm.token, str(e)[:500]), timeout=60)
+        except Exception:  # the service is gone: the run's warm stage finds that out itself
+            pass
+    finally:
+        warm.done.set()
 
 
 def _swap(model: ResolvedModel, apps: list[str]) -> dict[str, str]:
-    """Swap ``model`` into every engine at once and check each; returns the engines it did not take on, and why."""
+    """Swap ``model`` into every engine at once and check each (all at once too); returns the engines it did not
+    take on, and why."""
     started = {app: _handle(app).reload.remote(model.path, model.fingerprint) for app in apps}
     bad: dict[str, str] = {}
+    swapped: dict[str, float] = {}
     for app, response in started.items():
         try:
-            swap_s = response.result(timeout_s=1800)
+            swapped[app] = response.result(timeout_s=SWAP_TIMEOUT_S)
         except Exception as e:
             bad[app] = f"{type(e).__name__}: {str(e)[:200]}"
-            continue
-        problem = verify(model, app)
+    checks = {app: _handle(app).check.remote(model.path) for app in swapped}
+    for app, response in checks.items():
+        try:
+            problem = response.result(timeout_s=SWAP_TIMEOUT_S)
+        except Exception as e:
+            problem = f"the check failed: {type(e).__name__}: {str(e)[:200]}"
         if problem:
             bad[app] = problem
         else:
-            log.info("warm engines: %s loaded into %s in %.2f s and checked", model.source, app, swap_s)
+            log.info("warm engines: %s loaded into %s in %.2f s and checked", model.source, app, swapped[app])
     return bad
 
 

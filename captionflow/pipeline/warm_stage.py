@@ -5,12 +5,15 @@ run's preprocess makes (the rendered prompt, the image array, sampling parameter
 hands each batch to the service's engine with the fewest of its batches in flight, whose replica
 (``engine_server.CaptionEngine``) runs them through the stages a cold run's processor would have - vLLM's
 engine stage - and returns the same output rows. Its actor imports neither
-vLLM nor transformers, so a warm run starts in seconds. A row served by another checkpoint than the run's
-is an error row, never a caption; a replica that is gone fails the pass (``ledger``: EngineFailed).
+vLLM nor transformers, so a warm run starts in seconds. It starts while the run's checkpoint is still being
+swapped in, and sends its first row only once the service's controller says the checkpoint is in every engine
+and checked (``ServiceController.wait_ready``). A row served by another checkpoint than the run's is an error
+row, never a caption; a replica that is gone fails the pass (``ledger``: EngineFailed).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +25,7 @@ from captionflow.processes import process_started
 from captionflow.workers.worker_log import say
 
 READY = "warm stage: handles to"  # the run's log, and the verdict benchmark's timeline, read these
+GATE = "warm stage: the run's checkpoint is in the engines"
 FIRST_BACK = "warm stage: first batch back"
 
 
@@ -33,21 +37,43 @@ class WarmEngineStageUDF(StatefulStageUDF):
         app_names: list[str],
         deployment_name: str,
         model_fingerprint: str,
+        token: str,
+        controller: tuple[str, str],
+        wait_s: float,
     ):
         t0 = time.time()
         super().__init__(data_column, expected_input_keys)
         from ray import serve
 
+        self.app_names, self.deployment_name = list(app_names), deployment_name
         self.handles = [serve.get_deployment_handle(deployment_name, app) for app in app_names]
         self.in_flight = [0] * len(self.handles)
         self.next = 0
         self.model_fingerprint = model_fingerprint
+        self.token, self.controller, self.wait_s = token, controller, wait_s
+        self.gate: asyncio.Future | None = None
         self.started = time.perf_counter()
         self.first_back = False
         process_t0 = process_started(os.getpid())
         engines = f"{len(app_names)} engine{'s' if len(app_names) != 1 else ''} ({', '.join(app_names)})"
         took = f" in {time.time() - t0:.1f} s; worker process up {t0 - process_t0:.1f} s before" if process_t0 else ""
         say(f"{READY} {engines}{took}")
+
+    async def _open_gate(self) -> None:
+        """Wait until the run's checkpoint is in every engine and checked; the engines to use then."""
+        import ray
+        from ray import serve
+
+        t0 = time.perf_counter()
+        name, namespace = self.controller
+        got = await ray.get_actor(name, namespace=namespace).wait_ready.remote(self.token, self.wait_s)
+        if "error" in got:
+            raise RuntimeError(f"warm engines: {got['error']}")
+        if got["apps"] != self.app_names:  # the engines were replaced by others
+            self.app_names = list(got["apps"])
+            self.handles = [serve.get_deployment_handle(self.deployment_name, app) for app in self.app_names]
+            self.in_flight = [0] * len(self.handles)
+        say(f"{GATE} (waited {time.perf_counter() - t0:.1f} s)")
 
     def _pick(self) -> int:
         """The engine with the fewest of this actor's batches in flight (ties: in turn)."""
@@ -57,6 +83,9 @@ class WarmEngineStageUDF(StatefulStageUDF):
         return min(order, key=lambda i: self.in_flight[i])
 
     async def udf(self, batch: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+        if self.gate is None:  # the first batch opens it; the others wait on the same answer
+            self.gate = asyncio.ensure_future(self._open_gate())
+        await self.gate
         idx = [row[self.IDX_IN_BATCH_COLUMN] for row in batch]
         engine = self._pick()
         self.in_flight[engine] += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,6 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from captionflow.builtin.demo_data import DEMO_CAPTIONS, ensure_demo_dataset
+from captionflow.pipeline.engine_server import SWAP_DELAY_ENV
+from captionflow.pipeline.warm_stage import GATE
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "flows.cli"]
@@ -60,10 +63,11 @@ def _serve(env, log: Path, *options: str) -> subprocess.Popen:
 
 
 def _run(env, *args) -> dict:
+    """The run's summary, with what it printed under "_output"."""
     out = Path(args[args.index("--summary-json") + 1])
     r = subprocess.run([*CLI, "run", "--device", "cpu", *args], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "_output": r.stdout + r.stderr}
 
 
 def _captions(summary: dict) -> dict[str, dict]:
@@ -76,8 +80,10 @@ def test_two_checkpoints_through_warm_engines_equal_cold_runs(env, tmp_path):
 
     data = _images(tmp_path / "golden", 6)
     ckpt_b = build_builtin_model(tmp_path / "step-2000", seed=1)
-    # two engines, as a run with --concurrency 2 would have: a swap must reach both
-    serve = _serve(env, tmp_path / "serve.log", "--concurrency", "2")
+    # two engines, as a run with --concurrency 2 would have: a swap must reach both. Each swap takes 25 s longer,
+    # so that B's warm stage is up while B is still being swapped in: it must send nothing before B is in.
+    slow_swap = {**env, SWAP_DELAY_ENV: "25"}
+    serve = _serve(slow_swap, tmp_path / "serve.log", "--concurrency", "2")
     children = [p.pid for p in psutil.Process(serve.pid).children(recursive=True)]
     try:
         # a batch per image, so that both engines caption
@@ -96,6 +102,9 @@ def test_two_checkpoints_through_warm_engines_equal_cold_runs(env, tmp_path):
     # every row of B's one pass served by B's weights, whichever engine captioned it (a row an engine served
     # with A's weights is an error row, and would have needed a second pass)
     assert [(p["sent"], p["captioned"], p["failed"]) for p in b["passes"]] == [(6, 6, 0)]
+    # ... because its warm stage, up before the swap ended, waited for it
+    waited = re.search(re.escape(GATE) + r" \(waited ([0-9.]+) s\)", b["_output"])
+    assert waited and float(waited.group(1)) > 1.0, b["_output"][-3000:]
 
     # the same checkpoints, cold: the run's own engines
     cold = ["--dataset", str(data), "--output", str(tmp_path / "cold"), "--warm-engines", "off"]
