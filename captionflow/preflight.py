@@ -21,6 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
+from captionflow.compat.driver_imports import prewarm
 from captionflow.config import RunConfig
 from captionflow.errors import CaptionflowError, DatasetError
 from captionflow.model_source import ResolvedModel, resolve_clip, resolve_model
@@ -47,7 +48,10 @@ class PlacementError(CaptionflowError, RuntimeError):
     """The machine or cluster cannot place the engines the run asks for."""
 
 
-def preflight(cfg: RunConfig) -> PreflightResult:
+def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
+    """``prewarm_imports``: on a Ray cluster (a warm engine service's included), once connected, the inference
+    stage's imports start in the background meanwhile (``compat.driver_imports.prewarm``; a local Ray starts
+    later, in its own imports, and its engines take far longer than the imports)."""
     check_output(cfg.output)
     check_dataset(cfg.dataset)
     model = resolve_model(cfg.model, dummy_weights=cfg.dummy_weights())
@@ -60,6 +64,8 @@ def preflight(cfg: RunConfig) -> PreflightResult:
         raise OptionError("coco_java needs Java on the PATH (PTB tokenizer and METEOR run on the JVM)")
     check_engine_kwargs(cfg.engine_kwargs)
     device, gpus, local = resolve_device(cfg)
+    if prewarm_imports and not local:
+        prewarm(serve=cfg.warm_engines != "off")
     engine = resolve_engine(cfg, model, PRESETS[device], gpus, local)
     check_ranges(cfg, model, engine)
     for path in {model.path, judge.path if judge else model.path}:

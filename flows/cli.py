@@ -299,7 +299,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from captionflow.pipeline.presets import PRESETS, local_ray_cpus
     from captionflow.preflight import preflight
 
-    checked = _flow_call(preflight, cfg=cfg.model_copy(update={"warm_engines": "off"}))
+    checked = _flow_call(preflight, cfg=cfg.model_copy(update={"warm_engines": "off"}), prewarm_imports=False)
     preset = PRESETS[checked.engine.preset.name]
     # a local Ray with room for the service's engines beside a whole run's pipeline
     engines = checked.engine.service_engines()[1]

@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 
 from captionflow.compat.cuda_mps import ensure_mps
-from captionflow.compat.driver_imports import without_vllm
+from captionflow.compat.driver_imports import prewarmed, without_vllm
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.presets import Preset
 from captionflow.pipeline.session import WORKER_ENV, keep_sigterm
@@ -77,6 +77,7 @@ def build_vlm_processor(
 ):
     """A Ray Data LLM processor for one VLM: ``preprocess`` turns a dataset row into a request,
     ``postprocess`` the engine's answer into a result row."""
+    prewarmed()
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
     preset = engine.preset
@@ -144,7 +145,6 @@ def _warm_processor(config, warm, engine: EngineSettings, preprocess, postproces
     import ray.data
     from ray.llm._internal.batch.processor.base import Processor
 
-    from captionflow.pipeline import service
     from captionflow.pipeline.warm_stage import WarmEngineStage
 
     stage = WarmEngineStage(
@@ -153,8 +153,8 @@ def _warm_processor(config, warm, engine: EngineSettings, preprocess, postproces
             "deployment_name": warm.deployment,
             "model_fingerprint": warm.model_fingerprint,
             "token": warm.token,
-            "controller": (service.CONTROLLER, service.NAMESPACE),
-            "wait_s": service.SWAP_TIMEOUT_S,
+            "controller": warm.controller,
+            "wait_s": warm.wait_s,
         },
         map_batches_kwargs={
             "zero_copy_batch": True,

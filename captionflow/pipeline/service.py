@@ -407,6 +407,8 @@ class WarmEngine:
     every engine and checked (``ServiceController.wait_ready``)."""
 
     deployment = ENGINE
+    controller = (CONTROLLER, NAMESPACE)  # where the warm stage asks whether the checkpoint is in
+    wait_s = SWAP_TIMEOUT_S  # and for how long at most
 
     def __init__(self, apps: list[str], model_fingerprint: str, token: str):
         import threading

@@ -41,3 +41,30 @@ def test_the_driver_builds_without_vllm_and_the_workers_still_know_its_fatal_err
     assert out["vllm_imported"] is False and out["fatal_here"] == []
     assert out["fatal_in_worker"] == ["EngineDeadError"]
     assert out["vllm_after"] is True
+
+
+PREWARM = r"""
+import importlib.util, json, sys, threading
+from captionflow.compat import driver_imports
+
+driver_imports.prewarm(serve=True)
+found = []  # meanwhile, this thread asks where vLLM is installed, as a preflight does
+while any(t.name == driver_imports.PREWARM_THREAD for t in threading.enumerate()):
+    found.append(importlib.util.find_spec("vllm") is not None)
+driver_imports.prewarmed()
+print("RESULT " + json.dumps({
+    "asked": len(found), "found": all(found),
+    "imported": [m for m in ("ray.data", "ray.data.llm", "ray.serve", "vllm") if m in sys.modules],
+}))
+"""
+
+
+def test_the_prewarm_imports_the_pipelines_modules_in_the_background_without_vllm_and_blocks_no_other_thread(
+    tmp_path,
+):
+    proc = subprocess.run([sys.executable, "-c", PREWARM], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT ") :])
+    assert out["imported"] == ["ray.data", "ray.data.llm", "ray.serve"]  # not vLLM
+    assert out["asked"] > 0 and out["found"] is True
