@@ -32,13 +32,27 @@ _prewarm: list[threading.Thread] = []
 
 
 class _NoVllm(importlib.abc.MetaPathFinder):
-    def __init__(self, thread: int):
-        self.thread = thread
+    """Refuses vLLM to the threads in ``blocked``. Installed once, first on ``sys.meta_path``, and never removed:
+    adding and removing a finder while another thread walks ``sys.meta_path`` for an import of its own can make
+    that walk skip the next finder, and that import fail."""
+
+    def __init__(self) -> None:
+        self.blocked: set[int] = set()
 
     def find_spec(self, name, path=None, target=None):
-        if (name == "vllm" or name.startswith("vllm.")) and threading.get_ident() == self.thread:
+        if (name == "vllm" or name.startswith("vllm.")) and threading.get_ident() in self.blocked:
             raise ModuleNotFoundError(f"{name} is not imported in a run's driver (captionflow.compat)", name=name)
         return None
+
+
+_finder = _NoVllm()
+_finder_lock = threading.Lock()
+
+
+def _install() -> None:
+    with _finder_lock:
+        if _finder not in sys.meta_path:
+            sys.meta_path.insert(0, _finder)
 
 
 @contextlib.contextmanager
@@ -47,12 +61,16 @@ def without_vllm() -> Iterator[None]:
     if "vllm" in sys.modules:
         yield
         return
-    finder = _NoVllm(threading.get_ident())
-    sys.meta_path.insert(0, finder)
+    _install()
+    me = threading.get_ident()
+    _finder.blocked.add(me)
     try:
         yield
     finally:
-        sys.meta_path.remove(finder)
+        _finder.blocked.discard(me)
+
+
+_install()  # now, while this process is most likely importing on one thread only
 
 
 def _imports(serve: bool) -> None:
