@@ -696,13 +696,14 @@ def _flow_timed(a, name: str, images: str, model: str, engine_kwargs: str, env: 
     from captionflow.report import ROWS, row_file
 
     row = out / ROWS / row_file(*s["run_dir"].rstrip("/").split("/")[-3:])  # this run's own row
+    text = log.read_text(errors="replace")
     return {
         "verdict_s": round(t1 - t0, 2),
         "first_caption_after_s": round(stamps[0][0] - t0, 2) if stamps else None,
         "last_caption_after_s": round(stamps[-1][0] - t0, 2) if stamps else None,
         "leaderboard_row_after_s": round(row.stat().st_mtime - t0, 2) if row.exists() else None,
-        "timeline_s": timeline(log.read_text(errors="replace"), t0),
-        "ray_data_progress": ray_data_progress(log.read_text(errors="replace"), t0),
+        "timeline_s": timeline(text, t0),
+        "ray_data_progress": ray_data_progress(text, t0),
         "captioned": s["counts"]["captioned"],
         "engines": s.get("engines"),
         "timings_s": s.get("timings_s"),
@@ -729,6 +730,13 @@ TIMELINE = {
 TIMELINE_LAST = {"warm_engines_loaded"}  # said once per engine: when the last one says it
 
 
+def ray_stamp(stamp: str) -> float:
+    """Unix time of a Ray log line's local date and time (``DATE_TIME``)."""
+    import datetime as dt
+
+    return dt.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
 def timeline(text: str, t0: float) -> dict:
     """Seconds after ``t0`` (the command's start) at which the run's log first says each of ``TIMELINE`` (last,
     for ``TIMELINE_LAST``)."""
@@ -745,7 +753,7 @@ def timeline(text: str, t0: float) -> dict:
                 continue
             stamp = m.group(1)
             if "-" in stamp:
-                when = dt.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                when = ray_stamp(stamp)
             else:
                 when = dt.datetime.combine(day, dt.time.fromisoformat(stamp)).timestamp()
                 if when < t0 - 3600:  # past midnight
@@ -762,14 +770,12 @@ RAY_DATA_TASKS = re.compile(r"--   Tasks: (\d+)( \[[^\]]*\])?; Actors: (\d+)[^;]
 def ray_data_progress(text: str, t0: float, limit: int = 12) -> list[dict]:
     """Ray Data's progress reports (every 10 s) of the run's last dataset (the captioning one), compact: seconds
     after ``t0``, then per operator "done/total, tasks running [why held back], actors, blocks queued"."""
-    import datetime as dt
-
     snaps: list[dict] = []
     op = None
     for line in text.splitlines():
         m = RAY_DATA_SNAPSHOT.search(line)
         if m:
-            when = dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            when = ray_stamp(m.group(1))
             snaps.append({"dataset": m.group(2), "t": round(when - t0, 1), "ops": {}})
             op = None
             continue

@@ -43,11 +43,8 @@ class WarmEngineStageUDF(StatefulStageUDF):
     ):
         t0 = time.time()
         super().__init__(data_column, expected_input_keys)
-        from ray import serve
-
-        self.app_names, self.deployment_name = list(app_names), deployment_name
-        self.handles = [serve.get_deployment_handle(deployment_name, app) for app in app_names]
-        self.in_flight = [0] * len(self.handles)
+        self.deployment_name = deployment_name
+        self._use(app_names)
         self.next = 0
         self.model_fingerprint = model_fingerprint
         self.token, self.controller, self.wait_s = token, controller, wait_s
@@ -59,10 +56,17 @@ class WarmEngineStageUDF(StatefulStageUDF):
         took = f" in {time.time() - t0:.1f} s; worker process up {t0 - process_t0:.1f} s before" if process_t0 else ""
         say(f"{READY} {engines}{took}")
 
+    def _use(self, app_names: list[str]) -> None:
+        """Send to the engines of ``app_names`` (a handle each, none of this actor's batches in flight yet)."""
+        from ray import serve
+
+        self.app_names = list(app_names)
+        self.handles = [serve.get_deployment_handle(self.deployment_name, app) for app in self.app_names]
+        self.in_flight = [0] * len(self.handles)
+
     async def _open_gate(self) -> None:
         """Wait until the run's checkpoint is in every engine and checked; the engines to use then."""
         import ray
-        from ray import serve
 
         t0 = time.perf_counter()
         name, namespace = self.controller
@@ -70,9 +74,7 @@ class WarmEngineStageUDF(StatefulStageUDF):
         if "error" in got:
             raise RuntimeError(f"warm engines: {got['error']}")
         if got["apps"] != self.app_names:  # the engines were replaced by others
-            self.app_names = list(got["apps"])
-            self.handles = [serve.get_deployment_handle(self.deployment_name, app) for app in self.app_names]
-            self.in_flight = [0] * len(self.handles)
+            self._use(got["apps"])
         say(f"{GATE} (waited {time.perf_counter() - t0:.1f} s)")
 
     def _pick(self) -> int:

@@ -20,12 +20,18 @@ async def _held(c: ServiceController, owner: str = "run-a") -> str:
     return got["token"]
 
 
+async def _waiting(c: ServiceController, token: str, settle_s: float = 0.2) -> asyncio.Future:
+    """A run's warm stage asking for ``token``'s engines, given ``settle_s`` to answer if it would at once."""
+    waiter = asyncio.ensure_future(c.wait_ready(token, timeout_s=30))
+    await asyncio.sleep(settle_s)
+    return waiter
+
+
 def test_a_run_waits_until_its_checkpoint_is_loaded_and_gets_the_engines():
     async def main():
         c = ServiceController(idle_timeout_s=0)
         token = await _held(c)
-        waiter = asyncio.ensure_future(c.wait_ready(token, timeout_s=30))
-        await asyncio.sleep(0.2)
+        waiter = await _waiting(c, token)
         assert not waiter.done()  # the swap is still running
         await c.loaded(["captionflow-0", "captionflow-1"], "spec", "ckpt-b", "/ckpt/b", "fp-b", True, token)
         got = await asyncio.wait_for(waiter, 5)
@@ -45,8 +51,7 @@ def test_an_earlier_runs_load_does_not_open_the_gate_for_the_next_run():
         await c.loaded(["captionflow-0"], "spec", "ckpt-a", "/ckpt/a", "fp-a", False, first)
         await c.release(first)
         second = await _held(c, "run-b")
-        waiter = asyncio.ensure_future(c.wait_ready(second, timeout_s=30))
-        await asyncio.sleep(0.2)
+        waiter = await _waiting(c, second)
         pending = not waiter.done()
         await c.loaded(["captionflow-0"], "spec", "ckpt-b", "/ckpt/b", "fp-b", True, second)
         return pending, await asyncio.wait_for(waiter, 5), await c.wait_ready(first, timeout_s=1)
@@ -60,22 +65,19 @@ def test_a_failed_load_a_release_a_stop_or_the_time_limit_ends_the_wait_with_the
     async def main():
         c = ServiceController(idle_timeout_s=0)
         token = await _held(c)
-        waiter = asyncio.ensure_future(c.wait_ready(token, timeout_s=30))
-        await asyncio.sleep(0.1)
+        waiter = await _waiting(c, token, 0.1)
         await c.load_failed(token, "EngineFailed: warm engines: loading ckpt-b failed: disk full")
         failed = await asyncio.wait_for(waiter, 5)
         await c.release(token)
 
         token = await _held(c)
-        waiter = asyncio.ensure_future(c.wait_ready(token, timeout_s=30))
-        await asyncio.sleep(0.1)
+        waiter = await _waiting(c, token, 0.1)
         await c.release(token)  # the run ended (crashed) before its checkpoint got in
         released = await asyncio.wait_for(waiter, 5)
 
         token = await _held(c)
         timed_out = await asyncio.wait_for(c.wait_ready(token, timeout_s=0.3), 5)
-        waiter = asyncio.ensure_future(c.wait_ready(token, timeout_s=30))
-        await asyncio.sleep(0.1)
+        waiter = await _waiting(c, token, 0.1)
         await c.stop("asked to stop")
         stopped = await asyncio.wait_for(waiter, 5)
         return failed, released, timed_out, stopped
