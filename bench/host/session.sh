@@ -4,7 +4,8 @@
 #   the benchmark (raw, stage, flow) with the GPU preset as it ships, the stage phase profiled by
 #   bench/host/profile.sh (py-spy: an engine actor and its EngineCore, once the engines are up).
 #   bench/host/session.sh PARTS_DIR [NAME=OPTIONS ...]   then wait for /tmp/final.done  (PROFILE=0: no py-spy;
-#   PROFILE_TRIGGER: what profile.sh waits for, PROFILE_DELAY and PROFILE_SECONDS: when and how long it records)
+#   PROFILE_TRIGGER: what profile.sh waits for, PROFILE_DELAY and PROFILE_SECONDS: when and how long it records;
+#   STACKS=SECONDS: bench/host/stacks.sh dumps the first flow run's driver and engine actor every 2 s for that long)
 # Each NAME=OPTIONS is one benchmark invocation, one after the other (sharing /tmp/cf-bench: the images and the
 # stand-in are made once), with gpu_throughput.py OPTIONS
 # (default: "h100=--phases raw,stage,flow"): /tmp/cf-results/gpu_throughput-NAME.json, NAME-phase-*.log.
@@ -20,6 +21,7 @@ python3 -m pip install --no-index --no-deps --target /tmp/pyspy "$PARTS"/py_spy-
 export PATH=/tmp/pyspy/bin:$PATH VLLM_LOG_STATS_INTERVAL=1
 printf '%s\n' "$@" > /tmp/cf-runs
 setsid nohup bash -c "
+  [ -z \"${STACKS:-}\" ] || (bash bench/host/stacks.sh 'flows[.]cli run' 'MapWorker[(]MapBatches[(]vLLMEngine' ${STACKS:-0} 2 /tmp/cf-results/stacks.txt &)
   [ \"${PROFILE:-1}\" = 0 ] || (bash bench/host/profile.sh 'MapWorker[(]MapBatches[(]vLLMEngine' '/tmp/ray/session_latest/logs/worker-*' ${PROFILE_DELAY:-12} ${PROFILE_SECONDS:-25} /tmp/cf-results/stage-actor.folded &)
   while IFS='=' read -r name opts; do
     echo \"=== \$name: \$opts\"
