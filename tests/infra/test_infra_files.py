@@ -78,6 +78,10 @@ def test_dockerfile_lints_clean_and_the_linter_is_real(tmp_path):
     text = (INFRA / "Dockerfile").read_text()
     assert "USER 1000" in text and text.count("FROM ") == 2  # non-root, multi-stage
     assert "make install FLAVOUR=${FLAVOUR}" in text  # exactly the project's lock
+    # bytecode ships compiled in both stages (the image's user cannot write it: each process would compile its
+    # imports from source at every start), and no step deletes it
+    runs = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    assert sum("compileall" in line for line in runs) == 2 and not any("__pycache__" in line for line in runs)
     ignore = [line for line in (INFRA.parent / ".dockerignore").read_text().splitlines() if not line.startswith("#")]
     assert ignore[0] == "*" and "!captionflow/" in ignore  # the context is only what the image installs
 
