@@ -18,8 +18,9 @@ background thread asks the renderer's multimodal processor for its HF processor 
 path's arguments - the first request then finds it in vLLM's cache; (2) ``AsyncLLM`` logs the moment
 it is ready to take requests (``ACCEPTING``), which the GPU benchmark reads, renders requests on its
 renderer's threads instead of its event loop (``render_off_loop``) and asks for each request's final output
-only (``final_outputs_only``). If anything here fails,
-vLLM builds the processor on the first request, as it would without this.
+only (``final_outputs_only``). (3) the front end's tokenizer copies (one per renderer thread) are made in the
+background (``tokenizer_pool``), and (4) its engine core's process is prestarted (``core_prestart``). If anything
+here fails, vLLM builds the processor on the first request, as it would without this.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import sys
 import threading
 import time
 
-from captionflow.compat import core_prestart
+from captionflow.compat import core_prestart, tokenizer_pool
 from captionflow.workers import worker_log
 
 SETUP_HOOK = "captionflow.compat.vllm_warmup.install"
@@ -180,6 +181,7 @@ PATCHES = {
     "vllm.v1.engine.input_processor": patch_input_processor,
     "vllm.v1.engine.async_llm": patch_async_llm,
     "vllm.v1.engine.utils": core_prestart.patch_engine_utils,
+    "vllm.tokenizers.hf": tokenizer_pool.patch,
     "ray.llm._internal.batch.stages.vllm_engine_stage": patch_engine_stage,
 }
 

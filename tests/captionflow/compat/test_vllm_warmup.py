@@ -6,14 +6,11 @@ asks for must then already be in vLLM's processor cache - filled by the hook's t
 the cache is emptied just before.
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
+
+from tests.support.fresh_python import run_script
 
 SCRIPT = textwrap.dedent("""
     import json, threading
@@ -49,25 +46,9 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run_script(script: str, tmp_path) -> tuple[subprocess.CompletedProcess, dict]:
-    """Run ``script`` in a fresh interpreter (this checkout importable); the process and its RESULT line's JSON."""
-    root = Path(__file__).resolve().parents[3]
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=str(tmp_path),
-        env={**os.environ, "PYTHONPATH": str(root)},
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return proc, json.loads(lines[-1][len("RESULT ") :])
-
-
 @pytest.mark.slow
 def test_hook_prebuilds_the_processor_the_first_request_uses(tmp_path):
-    proc, r = _run_script(SCRIPT, tmp_path)
+    proc, r = run_script(SCRIPT, tmp_path)
     assert r["input_processor_patched"] and r["async_llm_patched"]
     assert r["threads"] == 1
     assert r["warmup_misses"] >= 1  # the thread built it ...
@@ -138,7 +119,7 @@ def test_requests_are_rendered_off_the_event_loop_with_the_same_outputs(tmp_path
     """With the patch, the engine front end's image processing runs on the renderer's threads, not on the
     event loop's thread, only each request's final output comes back (Ray Data LLM reads no other), and greedy
     outputs equal those of vLLM's own (deprecated) raw-prompt path, which returns an output per token."""
-    _, r = _run_script(RENDER_SCRIPT, tmp_path)
+    _, r = run_script(RENDER_SCRIPT, tmp_path)
     assert r["out"]["patched"] == r["out"]["original"]
     assert all(len(t) == 12 for t in r["out"]["patched"])
     assert len({tuple(t) for t in r["out"]["patched"]}) > 1  # the images make a difference
@@ -177,7 +158,7 @@ READY_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_a_render_actor_is_ready_with_its_processor_built_once(tmp_path):
-    proc, r = _run_script(READY_SCRIPT, tmp_path)
+    proc, r = run_script(READY_SCRIPT, tmp_path)
     # ready means built: no pre-build still running, and the first request finds the processor in vLLM's cache
     assert r["ready_misses"] >= 1 and r["prebuilds_running"] == 0
     assert r["request_misses"] == 0

@@ -1,0 +1,75 @@
+"""vLLM's tokenizer pools filled in the background (captionflow/compat/tokenizer_pool.py), with real vLLM (CPU build)
+and the built-in model's tokenizer, in a fresh interpreter where the engine-process hook is installed before vLLM is
+imported (as in a Ray worker)."""
+
+import textwrap
+
+import pytest
+
+from tests.support.fresh_python import run_script
+
+SCRIPT = textwrap.dedent("""
+    import copy, json, pickle, threading
+    from concurrent.futures import ThreadPoolExecutor
+    from captionflow.compat import tokenizer_pool, vllm_warmup
+    vllm_warmup.install()                       # before any vLLM import, as in a Ray worker
+    from captionflow.builtin.model import ensure_builtin_model
+    from transformers import AutoTokenizer
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.renderers import renderer_from_config
+    import vllm.tokenizers.hf as hf
+
+    # the background copies wait until released: what the front end has when vLLM's call returns
+    release, fill = threading.Event(), tokenizer_pool._fill
+    def gated(*args):
+        release.wait(60)
+        fill(*args)
+    tokenizer_pool._fill = gated
+
+    cfg = EngineArgs(model=str(ensure_builtin_model()), max_model_len=1024,
+                     renderer_num_workers=3).create_engine_config()
+    renderer = renderer_from_config(cfg)
+    tok = renderer.tokenizer
+    source, pool = tokenizer_pool.pool_of(tok)
+    at_return = pool.qsize()
+    release.set()
+    def joined():
+        for t in threading.enumerate():
+            if t.name == tokenizer_pool.FILL_THREAD:
+                t.join(60)
+    joined()
+    filled = pool.qsize()
+
+    plain = AutoTokenizer.from_pretrained(str(ensure_builtin_model()))
+    texts = [f"caption number {i}: a red square on a blue field" for i in range(24)]
+    expect = [plain.encode(t) for t in texts]
+    with ThreadPoolExecutor(8) as ex:           # more threads than copies: the pool grows as vLLM's does
+        got = list(ex.map(tok.encode, texts))
+    decoded = tok.decode(expect[0])
+
+    dup = copy.deepcopy(tok)                    # as the HF processor's build copies it
+    back = pickle.loads(pickle.dumps(tok))
+    joined()
+    print("RESULT " + json.dumps({
+        "patched": bool(getattr(hf.maybe_make_thread_pool, "_captionflow_patched", False)),
+        "copies": cfg.model_config.renderer_num_workers + 1,
+        "at_return": at_return, "filled": filled,
+        "same_tokens": got == expect, "decoded": decoded == plain.decode(expect[0]),
+        "dup_pool": tokenizer_pool.pool_of(dup)[1].qsize(), "dup_same": dup.encode(texts[3]) == expect[3],
+        "pickled_pool": tokenizer_pool.pool_of(back)[1].qsize(), "pickled_same": back.encode(texts[5]) == expect[5],
+        "dup_is_another_pool": tokenizer_pool.pool_of(dup)[1] is not pool,
+    }))
+""")
+
+
+@pytest.mark.slow
+def test_the_front_ends_tokenizer_copies_are_made_after_it_returns_and_tokenize_as_vllms_own(tmp_path):
+    proc, r = run_script(SCRIPT, tmp_path)
+    assert r["patched"] and r["copies"] == 4
+    # vLLM's own pool holds its copies when the call returns; this one none, and all of them once filled
+    assert r["at_return"] == 0 and r["filled"] == 4
+    assert r["same_tokens"] and r["decoded"]
+    # a copy (the HF processor's) and an unpickled tokenizer get their own pool of the same size, filled alike
+    assert r["dup_is_another_pool"] and r["dup_pool"] >= 4 and r["pickled_pool"] >= 4
+    assert r["dup_same"] and r["pickled_same"]
+    assert "thread copies made in the background" in proc.stderr
