@@ -22,11 +22,12 @@ import uuid
 from pathlib import Path
 
 from captionflow.compat.driver_imports import prewarm
+from captionflow.compat.vllm_modelinfo import prefetch as prefetch_model_info
 from captionflow.config import RunConfig
 from captionflow.errors import CaptionflowError, DatasetError
 from captionflow.model_source import ResolvedModel, resolve_clip, resolve_model
 from captionflow.pipeline.device import local_gpus
-from captionflow.pipeline.engine import EngineSettings, resolve_engine
+from captionflow.pipeline.engine import EngineSettings, engine_env, resolve_engine
 from captionflow.pipeline.presets import PRESETS
 from captionflow.pipeline.request_format import image_prompt
 from captionflow.pipeline.session import cluster_address
@@ -51,7 +52,8 @@ class PlacementError(CaptionflowError, RuntimeError):
 def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
     """``prewarm_imports``: on a Ray cluster (a warm engine service's included), once connected, the inference
     stage's imports start in the background meanwhile (``compat.driver_imports.prewarm``; a local Ray starts
-    later, in its own imports, and its engines take far longer than the imports)."""
+    later, in its own imports, and its engines take far longer than the imports). On a local Ray, vLLM's inspection
+    of the model class starts in a background process when it is not cached yet (``compat.vllm_modelinfo``)."""
     check_output(cfg.output)
     check_dataset(cfg.dataset)
     model = resolve_model(cfg.model, dummy_weights=cfg.dummy_weights())
@@ -72,6 +74,9 @@ def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
         image_prompt(path)  # the chat template rendered once for every request (or why it cannot be)
     judge_engine = resolve_engine(cfg, judge, PRESETS[device], gpus, local) if judge else None
     check_placement(cfg, engine, local)
+    if local:  # vLLM's inspection of the model class, cached while the run's first stages run (its engines ask)
+        for architecture in {m.architecture for m in (model, judge) if m}:
+            prefetch_model_info(architecture, engine_env(cfg))
     return PreflightResult(model=model, judge=judge, engine=engine, judge_engine=judge_engine, clip=clip)
 
 
