@@ -5,7 +5,8 @@
 #   bench/host/profile.sh (py-spy: an engine actor and its EngineCore, once the engines are up).
 #   bench/host/session.sh PARTS_DIR [NAME=OPTIONS ...]   then wait for /tmp/final.done  (PROFILE=0: no py-spy;
 #   PROFILE_TRIGGER: what profile.sh waits for, PROFILE_DELAY and PROFILE_SECONDS: when and how long it records;
-#   STACKS=SECONDS: bench/host/stacks.sh dumps the first flow run's driver and engine actor every 2 s for that long)
+#   STACKS=SECONDS: bench/host/stacks.sh dumps the first flow run's driver and engine actor every 2 s for that long;
+#   STACKS_WARM=SECONDS: the verdict's warm-engine run (checkpoint-seed2) and a warm engine (Serve replica), every 1 s)
 # Each NAME=OPTIONS is one benchmark invocation, one after the other (sharing /tmp/cf-bench: the images and the
 # stand-in are made once), with gpu_throughput.py OPTIONS
 # (default: "h100=--phases raw,stage,flow"): /tmp/cf-results/gpu_throughput-NAME.json, NAME-phase-*.log.
@@ -22,6 +23,7 @@ export PATH=/tmp/pyspy/bin:$PATH VLLM_LOG_STATS_INTERVAL=1
 printf '%s\n' "$@" > /tmp/cf-runs
 setsid nohup bash -c "
   [ -z \"${STACKS:-}\" ] || (bash bench/host/stacks.sh 'flows[.]cli run' 'MapWorker[(]MapBatches[(]vLLMEngine' ${STACKS:-0} 2 /tmp/cf-results/stacks.txt &)
+  [ -z \"${STACKS_WARM:-}\" ] || (bash bench/host/stacks.sh 'flows[.]cli run .*checkpoint-seed2' 'ServeReplica' ${STACKS_WARM:-0} 1 /tmp/cf-results/stacks-warm.txt &)
   [ \"${PROFILE:-1}\" = 0 ] || (bash bench/host/profile.sh 'MapWorker[(]MapBatches[(]vLLMEngine' '/tmp/ray/session_latest/logs/worker-*' ${PROFILE_DELAY:-12} ${PROFILE_SECONDS:-25} /tmp/cf-results/stage-actor.folded &)
   while IFS='=' read -r name opts; do
     echo \"=== \$name: \$opts\"
