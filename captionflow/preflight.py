@@ -50,10 +50,11 @@ class PlacementError(CaptionflowError, RuntimeError):
 
 
 def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
-    """``prewarm_imports``: on a Ray cluster (a warm engine service's included), once connected, the inference
-    stage's imports start in the background meanwhile (``compat.driver_imports.prewarm``; a local Ray starts
-    later, in its own imports, and its engines take far longer than the imports). On a local Ray, vLLM's inspection
-    of the model class starts in a background process when it is not cached yet (``compat.vllm_modelinfo``)."""
+    """``prewarm_imports``: on a Ray cluster (a warm engine service's included) and on a local GPU, the inference
+    stage's imports start in the background meanwhile (``compat.driver_imports.prewarm``): its engines start only
+    after them (on the 2-core CPU VM every core is busy with the run's first stages: no gain, so not there). On a
+    local Ray, vLLM's inspection of the model class starts in a background process when it is not cached yet
+    (``compat.vllm_modelinfo``)."""
     check_output(cfg.output)
     check_dataset(cfg.dataset)
     model = resolve_model(cfg.model, dummy_weights=cfg.dummy_weights())
@@ -66,7 +67,7 @@ def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
         raise OptionError("coco_java needs Java on the PATH (PTB tokenizer and METEOR run on the JVM)")
     check_engine_kwargs(cfg.engine_kwargs)
     device, gpus, local = resolve_device(cfg)
-    if prewarm_imports and not local:
+    if prewarm_imports and (not local or device == "gpu"):
         prewarm(serve=cfg.warm_engines != "off")
     engine = resolve_engine(cfg, model, PRESETS[device], gpus, local)
     check_ranges(cfg, model, engine)
