@@ -2,16 +2,15 @@
 
 A vLLM front end (``AsyncLLM``) starts its engine core in a new process (multiprocessing's ``spawn``, as vLLM does
 inside a Ray actor) once it has imported vLLM, built the engine's configuration and its renderer; that process then
-imports vLLM again before it loads the model. On the H100 host each import takes ~25 s, one after the other, on
-every cold start. ``prestart`` spawns the process early - an engine actor calls it as Ray Data LLM's engine stage
-module starts importing, before vLLM is imported (``prestart_before_import``; the stage's constructor, which runs
-only after that import, asks again) - and the process imports vLLM's engine core beside the actor's own import, then
-waits. When vLLM's ``CoreEngineProcManager`` asks its multiprocessing context for the core's process
-(``get_mp_context`` patched by ``patch_engine_utils``), it is handed that process; ``start()`` sends it the target,
-its arguments (pickled at that moment, as ``spawn`` pickles them) and the environment of that moment, and the
-process runs the core as a freshly spawned one would. Anything that differs from that case - no prestarted process,
-one that died, another start method, another target, arguments that can only pass by inheritance - gets vLLM's own
-path. Can go when vLLM starts its core before its front end's own set-up.
+imports vLLM again before it loads the model. On the H100 host each import takes ~25 s, one after the other, on every
+cold start. ``prestart`` spawns the process early - an engine actor calls it first thing, before it imports vLLM - and
+the process imports vLLM's engine core beside the actor's own import, then waits. When vLLM's
+``CoreEngineProcManager`` asks its multiprocessing context for the core's process (``get_mp_context`` patched by
+``patch_engine_utils``), it is handed that process; ``start()`` sends it the target, its arguments (pickled at that
+moment, as ``spawn`` pickles them) and the environment of that moment, and the process runs the core as a freshly
+spawned one would. Anything that differs from that case - no prestarted process, one that died, another start
+method, another target, arguments that can only pass by inheritance - gets vLLM's own path. Can go when vLLM starts
+its core before its front end's own set-up.
 """
 
 from __future__ import annotations
@@ -27,9 +26,6 @@ from typing import Any
 from captionflow.workers import worker_log
 
 IDLE_EXIT_S = 900.0  # a prestarted process nobody asked for ends after this
-# Set in the environment of engine actors whose core runs elsewhere (``front_ends``: shared_core.py), where the
-# import-time prestart (``prestart_before_import``) would start a core nobody asks for.
-NO_PRESTART_ENV = "CAPTIONFLOW_NO_CORE_PRESTART"
 CORE_TARGET = "run_engine_core"
 HANDOFF_THREAD = "captionflow-core-handoff"
 
@@ -49,14 +45,6 @@ def prestart() -> None:
         receive.close()
         _waiting.append((process, send))
     atexit.register(_dismiss)
-
-
-def prestart_before_import() -> None:
-    """``prestart`` as Ray Data LLM's engine stage module starts importing (it imports vLLM first thing): the
-    moment an engine actor's process knows it is one, ~13 s before the stage's constructor runs on the H100
-    host, where the core's own import of vLLM was then the longest step before the model loaded."""
-    if os.environ.get(NO_PRESTART_ENV) != "1":
-        prestart()
 
 
 def _dismiss() -> None:

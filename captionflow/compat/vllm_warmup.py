@@ -177,8 +177,6 @@ def _prestart_own_core(udf) -> None:
 
 
 ACCEPTING = "vLLM engine accepting requests at"
-# run just before a module in PATCHES executes (the patch itself runs right after)
-BEFORE = {"ray.llm._internal.batch.stages.vllm_engine_stage": core_prestart.prestart_before_import}
 PATCHES = {
     "vllm.v1.engine.input_processor": patch_input_processor,
     "vllm.v1.engine.async_llm": patch_async_llm,
@@ -207,8 +205,6 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         exec_module = spec.loader.exec_module
 
         def exec_and_patch(module):
-            if name in BEFORE:
-                BEFORE[name]()
             exec_module(module)
             if not PATCHES[name](module):
                 worker_log.say(f"{name} lacks the class captionflow patches; left as it is")

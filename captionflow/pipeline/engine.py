@@ -21,7 +21,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from captionflow.compat.core_prestart import NO_PRESTART_ENV
 from captionflow.config import RunConfig
 from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.device import local_gpu_memory_bytes
@@ -201,7 +200,7 @@ def resolve_engine(
         mps=mps,
         accelerator_type=cfg.accelerator_type,
         tensor_parallel_size=cfg.tensor_parallel_size,
-        env={**engine_env(cfg), **({NO_PRESTART_ENV: "1"} if front_ends > 1 else {})},
+        env=engine_env(cfg),
         image_grid=image_grid(model.path, max_pixels),
         solo_engine_kwargs=final({}) if layout_kwargs else None,
         engine_metrics=engine_metrics,

@@ -9,9 +9,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-from captionflow.compat import core_prestart
-from tests.support.fresh_python import run_script
-
 SCRIPT = textwrap.dedent("""
     import asyncio, json, os, sys
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
@@ -73,29 +70,3 @@ def test_the_engine_core_runs_in_the_process_prestarted_for_it_and_answers_as_vl
     assert "runs in the process prestarted for it" in ours["log"]
     assert ours["tokens"] == own["tokens"] and len(ours["tokens"]) == 12  # greedy: the same answer
     assert "runs in the process prestarted for it" not in own["log"]
-
-
-EARLY = textwrap.dedent("""
-    import json, os, sys
-    from captionflow.compat import core_prestart, vllm_warmup
-    vllm_warmup.install()                       # as the job's hook does in every Ray worker
-    asked = []
-    prestart = core_prestart.prestart
-    def recording():
-        asked.append("vllm" in sys.modules)
-        prestart()
-    core_prestart.prestart = recording
-    import ray.llm._internal.batch.stages.vllm_engine_stage  # what an engine actor imports first
-    print("RESULT " + json.dumps({"asked_before_vllm": asked, "waiting": len(core_prestart._waiting),
-                                  "vllm_imported": "vllm" in sys.modules}))
-""")
-
-
-def test_an_engine_actor_prestarts_its_core_as_the_engine_stage_starts_importing_vllm(tmp_path, monkeypatch):
-    _, r = run_script(EARLY, tmp_path)
-    # asked once, before vLLM was imported; the stage module then imported vLLM, and the process waits for its work
-    assert r == {"asked_before_vllm": [False], "waiting": 1, "vllm_imported": True}
-    # where the core runs elsewhere (front ends sharing one), nothing is prestarted
-    monkeypatch.setenv(core_prestart.NO_PRESTART_ENV, "1")
-    _, r = run_script(EARLY, tmp_path)
-    assert r == {"asked_before_vllm": [], "waiting": 0, "vllm_imported": True}
