@@ -2,15 +2,15 @@
 
 A vLLM front end (``AsyncLLM``) starts its engine core in a new process (multiprocessing's ``spawn``, as vLLM does
 inside a Ray actor) once it has imported vLLM, built the engine's configuration and its renderer; that process then
-imports vLLM again before it loads the model. On the H100 host each import takes ~25 s, one after the other, on every
-cold start. ``prestart`` spawns the process early - an engine actor calls it first thing, before it imports vLLM - and
-the process imports vLLM's engine core beside the actor's own import, then waits. When vLLM's
-``CoreEngineProcManager`` asks its multiprocessing context for the core's process (``get_mp_context`` patched by
-``patch_engine_utils``), it is handed that process; ``start()`` sends it the target, its arguments (pickled at that
-moment, as ``spawn`` pickles them) and the environment of that moment, and the process runs the core as a freshly
-spawned one would. Anything that differs from that case - no prestarted process, one that died, another start
-method, another target, arguments that can only pass by inheritance - gets vLLM's own path. Can go when vLLM starts
-its core before its front end's own set-up.
+imports vLLM again before it loads the model. On the H100 host each import takes ~25 s, one after the other, on
+every cold start. ``prestart`` spawns the process early - an engine actor calls it first thing in its stage's
+constructor - and the process imports vLLM's engine core while the front end builds its configuration and renderer,
+then waits. When vLLM's ``CoreEngineProcManager`` asks its multiprocessing context for the core's process
+(``get_mp_context`` patched by ``patch_engine_utils``), it is handed that process; ``start()`` sends it the target,
+its arguments (pickled at that moment, as ``spawn`` pickles them) and the environment of that moment, and the
+process runs the core as a freshly spawned one would. Anything that differs from that case - no prestarted process,
+one that died, another start method, another target, arguments that can only pass by inheritance - gets vLLM's own
+path. Can go when vLLM starts its core before its front end's own set-up.
 """
 
 from __future__ import annotations

@@ -9,6 +9,12 @@ thread then makes the copies while the engine core loads and compiles. A thread 
 makes its own copy, which is vLLM's own behaviour when more threads than copies use the tokenizer. A copy of a pooled
 tokenizer gets a pool of the same size, filled the same way.
 
+One thread per process makes every pool's copies, one pool after another, and ``filled`` waits for them: the engine
+front end says it accepts requests only once they are made (``vllm_warmup``), as vLLM's own path has them made by
+then. Made while it served instead (several copying threads at once), they starved its event loop: on the H100 host
+with a warm compile cache, 4 pools per engine were still being copied ~45 s after the engines accepted, and the first
+caption came only then.
+
 Where vLLM's pool is not built as expected (its internals differ), the pool is left to grow on demand and the line
 says so. Can go when vLLM makes these copies lazily itself.
 """
@@ -45,11 +51,40 @@ def pool_of(tokenizer: Any) -> tuple[Any, queue.Queue] | None:
     return (source, pool) if isinstance(pool, queue.Queue) else None
 
 
+_jobs: queue.Queue = queue.Queue()  # (the tokenizer to copy, its pool, how many copies)
+_worker: list[threading.Thread] = []
+_worker_lock = threading.Lock()
+
+
 def _fill(source: Any, pool: queue.Queue, copies: int) -> None:
     t0 = time.perf_counter()
     for _ in range(copies):
         pool.put(copy.deepcopy(source))
     worker_log.say(f"tokenizer: {copies} thread copies made in the background in {time.perf_counter() - t0:.1f} s")
+
+
+def _work() -> None:
+    while True:
+        job = _jobs.get()
+        try:
+            _fill(*job)
+        except Exception as e:  # the pool then grows as threads ask, as vLLM's does
+            worker_log.say(f"tokenizer: thread copies not made ({e!r}); made as threads ask")
+        finally:
+            _jobs.task_done()
+
+
+def _submit(source: Any, pool: queue.Queue, copies: int) -> None:
+    with _worker_lock:
+        if not _worker:
+            _worker.append(threading.Thread(target=_work, name=FILL_THREAD, daemon=True))
+            _worker[0].start()
+    _jobs.put((source, pool, copies))
+
+
+def filled() -> None:
+    """Return once every pool asked for so far in this process has its copies."""
+    _jobs.join()
 
 
 def patch(module: Any) -> bool:
@@ -75,7 +110,7 @@ def patch(module: Any) -> bool:
         source, pool = found
         # a copy or an unpickled pool is rebuilt through the module's (patched) function with the same size
         type(pooled).__reduce__ = lambda self: (module.maybe_make_thread_pool, (source, copies))
-        threading.Thread(target=_fill, args=(source, pool, copies), name=FILL_THREAD, daemon=True).start()
+        _submit(source, pool, copies)
         return pooled
 
     make_in_background._captionflow_patched = True

@@ -103,10 +103,20 @@ def patch_async_llm(module) -> bool:
     their final outputs (``final_outputs_only``)."""
     cls = getattr(module, "AsyncLLM", None)
     if cls is not None and not getattr(cls, "_captionflow_patched", False):
-        _wrap_init(cls, lambda self: worker_log.say(f"{ACCEPTING} {time.time():.3f}"))
+        _wrap_init(cls, _accepting)
         render_off_loop(cls)
         final_outputs_only(cls)
     return cls is not None
+
+
+def _accepting(llm) -> None:
+    """The front end is up (its engine core ready): once its HF processor is pre-built and its tokenizer copies
+    are made - what its first requests would otherwise wait for, or starve on - it says it accepts requests."""
+    for thread in threading.enumerate():
+        if thread.name == THREAD_NAME:
+            thread.join()
+    tokenizer_pool.filled()
+    worker_log.say(f"{ACCEPTING} {time.time():.3f}")
 
 
 def final_outputs_only(cls) -> None:

@@ -33,11 +33,7 @@ SCRIPT = textwrap.dedent("""
     source, pool = tokenizer_pool.pool_of(tok)
     at_return = pool.qsize()
     release.set()
-    def joined():
-        for t in threading.enumerate():
-            if t.name == tokenizer_pool.FILL_THREAD:
-                t.join(60)
-    joined()
+    tokenizer_pool.filled()                     # what the front end waits for before it accepts requests
     filled = pool.qsize()
 
     plain = AutoTokenizer.from_pretrained(str(ensure_builtin_model()))
@@ -49,7 +45,8 @@ SCRIPT = textwrap.dedent("""
 
     dup = copy.deepcopy(tok)                    # as the HF processor's build copies it
     back = pickle.loads(pickle.dumps(tok))
-    joined()
+    tokenizer_pool.filled()
+    copiers = [t for t in threading.enumerate() if t.name == tokenizer_pool.FILL_THREAD]
     print("RESULT " + json.dumps({
         "patched": bool(getattr(hf.maybe_make_thread_pool, "_captionflow_patched", False)),
         "copies": cfg.model_config.renderer_num_workers + 1,
@@ -57,7 +54,7 @@ SCRIPT = textwrap.dedent("""
         "same_tokens": got == expect, "decoded": decoded == plain.decode(expect[0]),
         "dup_pool": tokenizer_pool.pool_of(dup)[1].qsize(), "dup_same": dup.encode(texts[3]) == expect[3],
         "pickled_pool": tokenizer_pool.pool_of(back)[1].qsize(), "pickled_same": back.encode(texts[5]) == expect[5],
-        "dup_is_another_pool": tokenizer_pool.pool_of(dup)[1] is not pool,
+        "dup_is_another_pool": tokenizer_pool.pool_of(dup)[1] is not pool, "copiers": len(copiers),
     }))
 """)
 
@@ -72,4 +69,5 @@ def test_the_front_ends_tokenizer_copies_are_made_after_it_returns_and_tokenize_
     # a copy (the HF processor's) and an unpickled tokenizer get their own pool of the same size, filled alike
     assert r["dup_is_another_pool"] and r["dup_pool"] >= 4 and r["pickled_pool"] >= 4
     assert r["dup_same"] and r["pickled_same"]
+    assert r["copiers"] == 1  # one thread makes every pool's copies, one pool after another
     assert "thread copies made in the background" in proc.stderr
