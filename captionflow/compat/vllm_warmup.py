@@ -59,14 +59,19 @@ def start_warmup(renderer) -> threading.Thread | None:
     return t
 
 
+def _prebuilds_done() -> None:
+    """Wait for this process's HF processor pre-builds (``start_warmup``), if any."""
+    for thread in threading.enumerate():
+        if thread.name == THREAD_NAME:
+            thread.join()
+
+
 def processor_ready(renderer) -> None:
     """Return once ``renderer``'s HF processor is built: the pre-build of ``start_warmup`` waited for where one
     runs, else built now. For a process whose first request comes at once (the render actors of
     ``pipeline/render_stage.py``): that request would otherwise build it alongside the pre-build - vLLM's cache does
     not hold one build back for another, and on the loaded GPU host each took 80-98 s."""
-    for thread in threading.enumerate():
-        if thread.name == THREAD_NAME:
-            thread.join()
+    _prebuilds_done()
     mm = getattr(renderer, "mm_processor", None)
     if mm is not None:
         mm.info.get_hf_processor()  # from vLLM's cache once built
@@ -112,9 +117,7 @@ def patch_async_llm(module) -> bool:
 def _accepting(llm) -> None:
     """The front end is up (its engine core ready): once its HF processor is pre-built and its tokenizer copies
     are made - what its first requests would otherwise wait for, or starve on - it says it accepts requests."""
-    for thread in threading.enumerate():
-        if thread.name == THREAD_NAME:
-            thread.join()
+    _prebuilds_done()
     tokenizer_pool.filled()
     worker_log.say(f"{ACCEPTING} {time.time():.3f}")
 

@@ -11,12 +11,12 @@ from tests.support.fresh_python import run_script
 # vLLM asks for the inspection as an engine's configuration is built; its own new interpreter is refused here, so
 # the answer can only come from the cache the prefetch wrote
 ASK = textwrap.dedent("""
-    import json, sys
+    import json
     from vllm.model_executor.models import registry
     def refused(fn):
         raise AssertionError("vLLM inspected the class itself")
     registry._run_in_subprocess = refused
-    info = registry.ModelRegistry.models[sys.argv[1] if len(sys.argv) > 1 else "{arch}"].inspect_model_cls()
+    info = registry.ModelRegistry.models["{arch}"].inspect_model_cls()
     print("RESULT " + json.dumps({{"multimodal": bool(info.supports_multimodal)}}))
 """)
 
