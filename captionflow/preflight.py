@@ -52,7 +52,8 @@ class PlacementError(CaptionflowError, RuntimeError):
 def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
     """``prewarm_imports``: on a Ray cluster (a warm engine service's included) and on a local GPU, the inference
     stage's imports start in the background meanwhile (``compat.driver_imports.prewarm``): its engines start only
-    after them (on the 2-core CPU VM every core is busy with the run's first stages: no gain, so not there). On a
+    after them (on the 2-core CPU VM every core is busy with the run's first stages: no gain, so not there); on a
+    cluster, idle workers of the run's job import what its pipeline's first tasks import (``worker_prewarm``). On a
     local Ray, vLLM's inspection of the model class starts in a background process when it is not cached yet
     (``compat.vllm_modelinfo``)."""
     check_output(cfg.output)
@@ -70,6 +71,8 @@ def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
     if prewarm_imports and (not local or device == "gpu"):
         prewarm(serve=cfg.warm_engines != "off")
     engine = resolve_engine(cfg, model, PRESETS[device], gpus, local)
+    if prewarm_imports and not local:  # a new job on the cluster: idle workers of its own import ahead
+        prewarm_workers(cfg, engine)
     check_ranges(cfg, model, engine)
     for path in {model.path, judge.path if judge else model.path}:
         image_prompt(path)  # the chat template rendered once for every request (or why it cannot be)
@@ -79,6 +82,16 @@ def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
         for architecture in {m.architecture for m in (model, judge) if m}:
             prefetch_model_info(architecture, engine_env(cfg))
     return PreflightResult(model=model, judge=judge, engine=engine, judge_engine=judge_engine, clip=clip)
+
+
+def prewarm_workers(cfg: RunConfig, engine: EngineSettings) -> None:
+    """Workers for the inference pipeline's first tasks (its CPU operators and a warm stage's actor), at most half
+    the cluster's CPUs."""
+    from captionflow.pipeline.session import ray_session
+    from captionflow.pipeline.worker_prewarm import start
+
+    cpus = ray_session(cfg).resources().get("CPU", 1)
+    start(min(engine.preset.map_concurrency + 4, int(cpus // 2)), warm=cfg.warm_engines != "off")
 
 
 # ---------------------------------------------------------------- storage

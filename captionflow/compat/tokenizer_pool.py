@@ -1,22 +1,24 @@
-"""vLLM's thread-safe tokenizer pools, filled in the background instead of before the engine core starts.
+"""vLLM's thread-safe tokenizer pools: filled in the background, copied cheaply, and made once per front end.
 
 vLLM (0.26 to 0.29 at least) makes a front end's tokenizer thread-safe with ``maybe_make_thread_pool``: it
-deep-copies the tokenizer ``copies`` times (``renderer_num_workers + 1``) before returning, and a copy of such a
-tokenizer (the HF processor vLLM builds takes one) makes all its copies again. On the H100 host, with a Qwen2.5-VL
-tokenizer and 8 renderer threads, the front end spent ~22 s making the renderer's 9 copies before it started its
-engine core, and the HF processor's build ~56 s more. ``patch`` makes the pool empty and returns at once; a daemon
-thread then makes the copies while the engine core loads and compiles. A thread that finds the pool empty meanwhile
-makes its own copy, which is vLLM's own behaviour when more threads than copies use the tokenizer. A copy of a pooled
-tokenizer gets a pool of the same size, filled the same way.
+deep-copies the tokenizer ``copies`` times (``renderer_num_workers + 1``) before returning, and every copy of such a
+tokenizer makes all its copies again. Three things made that the longest part of an engine's start on the H100 host
+(Qwen2.5-VL tokenizer, 8 renderer threads):
 
-One thread per process makes every pool's copies, one pool after another, and ``filled`` waits for them: the engine
-front end says it accepts requests only once they are made (``vllm_warmup``), as vLLM's own path has them made by
-then. Made while it served instead (several copying threads at once), they starved its event loop: on the H100 host
-with a warm compile cache, 4 pools per engine were still being copied ~45 s after the engines accepted, and the first
-caption came only then.
+- The copies were made before the engine core started (~22 s for the renderer's 9). ``patch`` makes the pool empty
+  and returns at once; one daemon thread per process then makes the copies while the engine core loads, and
+  ``filled`` waits for them: the front end says it accepts requests only once they are made (``vllm_warmup``), as
+  vLLM's own path has them made by then. Made while it served instead, they starved its event loop.
+- Each copy deep-copied the vocabulary and merges the tokenizer keeps from its construction (151k entries each,
+  read by nothing afterwards: the Rust tokenizer holds its own): ~1.2 s a copy. Copies share them (``_copy``):
+  ~0.5 s, the Rust tokenizer's own copy.
+- Building the HF processor deep-copies its keyword arguments twice (transformers' ``get_config_dict`` and the
+  tokenizer's ``init_kwargs``), the pooled tokenizer among them, and each such copy made a whole new pool: 4 pools,
+  ~40 copies per front end, ~55-70 s of copying. A copy of a pooled tokenizer now shares its pool (the same
+  thread-safe copies, borrowed one per call as before); only an unpickled one, in another process, gets its own.
 
 Where vLLM's pool is not built as expected (its internals differ), the pool is left to grow on demand and the line
-says so. Can go when vLLM makes these copies lazily itself.
+says so. Can go when vLLM makes these copies lazily and once itself.
 """
 
 from __future__ import annotations
@@ -56,10 +58,28 @@ _worker: list[threading.Thread] = []
 _worker_lock = threading.Lock()
 
 
+# What a tokenizers-backed tokenizer keeps from its construction only: copies share these.
+_INIT_DATA = ("_vocab", "_merges")
+
+
+def _shared(tokenizer: Any, memo: dict) -> dict:
+    """``memo`` (a deepcopy memo) with ``tokenizer``'s construction data mapped to itself: not copied."""
+    for name in _INIT_DATA:
+        value = getattr(tokenizer, "__dict__", {}).get(name)
+        if value is not None:
+            memo.setdefault(id(value), value)
+    return memo
+
+
+def _copy(tokenizer: Any) -> Any:
+    """A deep copy of a plain tokenizer that shares its construction data (``_INIT_DATA``)."""
+    return copy.deepcopy(tokenizer, _shared(tokenizer, {}))
+
+
 def _fill(source: Any, pool: queue.Queue, copies: int) -> None:
     t0 = time.perf_counter()
     for _ in range(copies):
-        pool.put(copy.deepcopy(source))
+        pool.put(_copy(source))
     worker_log.say(f"tokenizer: {copies} thread copies made in the background in {time.perf_counter() - t0:.1f} s")
 
 
@@ -87,6 +107,21 @@ def filled() -> None:
     _jobs.join()
 
 
+def _twin(self: Any) -> Any:
+    """A shallow copy of a pooled tokenizer: the same pool."""
+    twin = object.__new__(type(self))
+    twin.__dict__.update(self.__dict__)
+    return twin
+
+
+def _deep_twin(self: Any, memo: dict) -> Any:
+    """A deep copy of a pooled tokenizer: its own state (construction data shared, as ``_copy``), the same pool."""
+    twin = object.__new__(type(self))
+    memo[id(self)] = twin
+    twin.__dict__.update(copy.deepcopy(self.__dict__, _shared(self, memo)))
+    return twin
+
+
 def patch(module: Any) -> bool:
     """Make ``module`` (``vllm.tokenizers.hf``) fill its tokenizer pools in the background (False: it lacks what
     this patches)."""
@@ -108,8 +143,10 @@ def patch(module: Any) -> bool:
             worker_log.say("tokenizer: vLLM's pool is not the one captionflow knows; copies are made as threads ask")
             return pooled
         source, pool = found
-        # a copy or an unpickled pool is rebuilt through the module's (patched) function with the same size
-        type(pooled).__reduce__ = lambda self: (module.maybe_make_thread_pool, (source, copies))
+        cls = type(pooled)  # vLLM's class for this pool: its methods borrow from this pool
+        # a copy shares the pool; an unpickled one is rebuilt through the module's (patched) function, same size
+        cls.__copy__, cls.__deepcopy__ = _twin, _deep_twin
+        cls.__reduce__ = lambda self: (module.maybe_make_thread_pool, (source, copies))
         _submit(source, pool, copies)
         return pooled
 

@@ -184,6 +184,8 @@ def resolve_engine(
         if not kwargs.get("enforce_eager"):  # compiled graphs kept where every checkpoint of this kind finds them
             compilation = dict(kwargs.get("compilation_config") or {})
             compilation.setdefault("cache_dir", compile_cache_dir(cfg, model, kwargs, cfg.accelerator_type))
+            if "cudagraph_capture_sizes" not in compilation and "max_cudagraph_capture_size" not in compilation:
+                compilation["cudagraph_capture_sizes"] = graph_sizes(kwargs["max_num_seqs"])
             kwargs["compilation_config"] = compilation
         return kwargs
 
@@ -207,6 +209,16 @@ def resolve_engine(
         front_ends=front_ends,
         render_actors=render_actors,
     )
+
+
+# Batch sizes an engine captures CUDA graphs for (up to its max_num_seqs); a batch runs in the smallest one that
+# holds it. vLLM's own list has 51 sizes up to 512, each captured at start (once per graph mode).
+GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+
+
+def graph_sizes(max_num_seqs: int) -> list[int]:
+    """The CUDA-graph batch sizes of an engine that runs at most ``max_num_seqs`` sequences at once."""
+    return [s for s in GRAPH_SIZES if s < max_num_seqs] + [max_num_seqs]
 
 
 def image_grid(model_path: str, max_pixels: int) -> tuple[int, int, int] | None:

@@ -62,6 +62,18 @@ def test_gpu_layout_shares_each_gpu_between_the_engines_that_feed_it(builtin_mod
     assert e.engine_kwargs["compilation_config"]["cache_dir"].endswith(
         model.architecture + "/" + e.engine_kwargs["compilation_config"]["cache_dir"].rsplit("/", 1)[-1]
     )
+    graphs = e.engine_kwargs["compilation_config"]
+    assert graphs["mode"] == 0 and graphs["cudagraph_mode"] == "FULL"  # CUDA graphs, no torch.compile
+    sizes = graphs["cudagraph_capture_sizes"]  # bounded by the batches the engine runs, not vLLM's 51 sizes
+    assert sizes == sorted(set(sizes)) and sizes[-1] == e.engine_kwargs["max_num_seqs"] and len(sizes) < 51
+    small = resolve_engine(RunConfig(gpu_memory_gib=80, max_num_seqs=100), model, GPU, gpus=2)
+    assert small.engine_kwargs["compilation_config"]["cudagraph_capture_sizes"][-2:] == [96, 100]
+    compiled = resolve_engine(
+        RunConfig(gpu_memory_gib=80, cuda_mps="off", engine_kwargs={"compilation_config": {"mode": 3}}), model, GPU, 2
+    )
+    cc = compiled.engine_kwargs["compilation_config"]  # torch.compile asked for: the preset's graph mode goes
+    assert cc["mode"] == 3 and "cudagraph_mode" not in cc and cc["cache_dir"] == graphs["cache_dir"]
+    assert cc["cudagraph_capture_sizes"] == sizes and compiled.output_params() == e.output_params()
     alone = resolve_engine(RunConfig(engines_per_gpu=1, gpu_memory_gib=80, cuda_mps="off"), model, GPU, gpus=2)
     assert alone.engines_per_gpu == 1 and alone.concurrency == 2 and alone.gpu_share == 1.0
     assert "kv_cache_memory_bytes" not in alone.engine_kwargs and alone.single_engine() is alone

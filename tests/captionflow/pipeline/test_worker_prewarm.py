@@ -1,0 +1,38 @@
+"""Idle workers of a run's Ray job import what its first tasks need, and the job's next task runs in one of them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+# A fresh process with a Ray of its own (a job's workers are its own): the prewarm's workers, then a plain task.
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import ray
+    from captionflow.pipeline import worker_prewarm
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    pids = set(ray.get(worker_prewarm.start(2, warm=True), timeout=240))
+
+    @ray.remote(num_cpus=0.5)
+    def task():
+        return os.getpid(), [m in sys.modules for m in worker_prewarm.MODULES + worker_prewarm.WARM_MODULES]
+
+    time.sleep(0.5)
+    pid, imported = ray.get(task.remote(), timeout=120)
+    print("RESULT " + json.dumps({"prewarmed": len(pids), "reused": pid in pids, "imported": imported}))
+    ray.shutdown()
+    """
+)
+
+
+def test_the_jobs_next_task_runs_in_a_worker_that_imported_the_pipelines_modules():
+    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    import json
+
+    r = json.loads([line for line in done.stdout.splitlines() if line.startswith("RESULT ")][-1][7:])
+    assert r["prewarmed"] >= 1 and r["reused"]
+    assert all(r["imported"])  # Ray Data, captionflow's row code, the warm stage's imports: before the task ran
