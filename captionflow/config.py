@@ -269,8 +269,9 @@ class RunConfig(BaseModel):
     compile_cache_dir: Optional[str] = Field(
         None,
         title="vLLM compile cache folder",
-        description="The engines' vLLM cache root: what vLLM keeps between engine starts, and the compiled graphs "
-        "when engine_kwargs ask for torch.compile (the GPU preset runs CUDA graphs without it), keyed on the "
+        description="The engines' vLLM cache root and Triton kernel cache: what vLLM keeps between engine starts, "
+        "the kernels an engine's warm-up compiles, and the compiled graphs when engine_kwargs ask for torch.compile "
+        "(the GPU preset runs CUDA graphs without it), keyed on the "
         "architecture and engine settings (not the checkpoint's path): every checkpoint of an architecture reuses "
         "them. Default: <captionflow cache>/vllm-compile; a shared volume lets a fresh node start warm.",
     )
