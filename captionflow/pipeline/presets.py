@@ -101,10 +101,11 @@ GPU = Preset(
     # prefix caching: every request starts with the same system prompt; chunked prefill: long image
     # prompts do not stall running decodes; no processor cache: every image is new (it only costs hashing).
     # compilation_config: CUDA graphs of the whole model, without torch.compile. On the H100 host (224 px, 4
-    # engines, the same machine) an engine's init took 26 s instead of 59-61 s (compiling 30-32 s), a warm run
-    # captioned 5,000 images no slower (19.7 s from the first request against 22.1 s), and its first batch came back
-    # 1.1 s after the first request instead of 8.6 s. engine_kwargs {"compilation_config": {"mode": 3}} compiles
-    # (keyed on the architecture: engine.compile_cache_dir). The graphs' batch sizes: engine.graph_sizes.
+    # engines, the same machine) an engine's init took 26 s instead of 59-61 s (compiling 30-32 s), and the engines
+    # captioned no slower: a warm run's 5,000 images in 19.7 s from the first request against 22.1 s, the inference
+    # stage at N=8,000 307 images/s steady against 267 (docs/benchmarks.md). engine_kwargs
+    # {"compilation_config": {"mode": 3}} compiles (keyed on the architecture: engine.compile_cache_dir). The graphs'
+    # batch sizes: engine.graph_sizes.
     engine_kwargs={
         "enable_prefix_caching": True,
         "enable_chunked_prefill": True,
