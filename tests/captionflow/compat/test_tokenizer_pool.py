@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent("""
         got = list(ex.map(tok.encode, texts))
     decoded = tok.decode(expect[0])
 
-    hf_processor = renderer.mm_processor.info.get_hf_processor()  # deep-copies the tokenizer in its kwargs, twice
+    renderer.mm_processor.info.get_hf_processor()  # its build deep-copies the tokenizer in its kwargs, twice
     pools_after_processor = len(pools)
     dup = copy.deepcopy(tok)
     back = pickle.loads(pickle.dumps(tok))

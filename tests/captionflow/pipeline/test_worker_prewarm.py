@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
+
+from tests.support.fresh_python import run_script
 
 # A fresh process with a Ray of its own (a job's workers are its own): the prewarm's workers, then a plain task.
 SCRIPT = textwrap.dedent(
@@ -28,11 +28,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_the_jobs_next_task_runs_in_a_worker_that_imported_the_pipelines_modules():
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stderr[-3000:]
-    import json
-
-    r = json.loads([line for line in done.stdout.splitlines() if line.startswith("RESULT ")][-1][7:])
+def test_the_jobs_next_task_runs_in_a_worker_that_imported_the_pipelines_modules(tmp_path):
+    _, r = run_script(SCRIPT, tmp_path)
     assert r["prewarmed"] >= 1 and r["reused"]
     assert all(r["imported"])  # Ray Data, captionflow's row code, the warm stage's imports: before the task ran
