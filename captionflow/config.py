@@ -171,6 +171,15 @@ class RunConfig(BaseModel):
     force_preprocess: bool = Field(False, title="Rebuild the preprocessed dataset even if it exists")
     shard_rows: int = Field(256, ge=1, title="Rows per Parquet shard (at most)")
     shard_mb: int = Field(256, ge=1, title="Megabytes of image data per Parquet shard (at most)")
+    engine_image_cache_max_images: int = Field(
+        20_000,
+        ge=0,
+        title="Keep the images fitted to the engine's grid for datasets up to this size",
+        description="A dataset of at most this many accepted images (a golden set) gets its images decoded and "
+        "fitted to the engine's patch grid once per grid and kept beside its shards (raw RGB: ~150 KB an image at "
+        "224 px, ~600 KB at 448 px); later runs and judges read them instead of decoding again. Captions are the "
+        "same either way. 0: never.",
+    )
     row_retries: int = Field(2, ge=0, title="Extra passes over rows whose inference failed")
     judge: bool = Field(
         False,
@@ -269,11 +278,11 @@ class RunConfig(BaseModel):
     compile_cache_dir: Optional[str] = Field(
         None,
         title="vLLM compile cache folder",
-        description="The engines' vLLM cache root and Triton kernel cache: what vLLM keeps between engine starts, "
-        "the kernels an engine's warm-up compiles, and the compiled graphs when engine_kwargs ask for torch.compile "
-        "(the GPU preset runs CUDA graphs without it), keyed on the "
-        "architecture and engine settings (not the checkpoint's path): every checkpoint of an architecture reuses "
-        "them. Default: <captionflow cache>/vllm-compile; a shared volume lets a fresh node start warm.",
+        description="The engines' vLLM cache root and Triton and Inductor caches: what vLLM keeps between engine "
+        "starts, the kernels an engine's warm-up compiles, and the compiled graphs when engine_kwargs ask for "
+        "torch.compile (the GPU preset runs CUDA graphs without it), keyed on the architecture and engine settings "
+        "(not the checkpoint's path): every checkpoint of an architecture reuses them. Default: "
+        "<captionflow cache>/vllm-compile; a shared volume lets a fresh node start warm.",
     )
     placement_wait_s: int = Field(
         300,
@@ -316,6 +325,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "force_preprocess",
         "shard_rows",
         "shard_mb",
+        "engine_image_cache_max_images",
     ),
     "Model": ("model", "max_pixels"),
     "Generation": ("system_prompt", "prompt", "max_tokens", "temperature", "top_p", "seed", "ignore_eos"),

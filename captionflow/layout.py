@@ -1,6 +1,7 @@
 """The output root's layout: where every stage reads and writes, under any fsspec URI.
 
     datasets/<dataset-fp>/                  manifest.json (written last), shards/part-NNNNN.parquet, quarantine.parquet
+                                            fitted/<grid-key>/part-NNNNN.parquet (images fitted to an engine's grid)
     runs/<dataset-fp>/<model-fp>/<generation-fp>/
                                             run.json, captions/, failures/, scores.parquet, metrics.json, report.md,
                                             report.html, chart.png
@@ -20,6 +21,7 @@ SCHEMA_VERSION = 1  # of a preprocessed dataset folder; part of the dataset fing
 MANIFEST = "manifest.json"
 QUARANTINE = "quarantine.parquet"
 SHARDS = "shards"
+FITTED = "fitted"  # a dataset's images fitted to an engine's patch grid (workers/fitted_images.py)
 CAPTIONS, FAILURES, SCORES = "captions", "failures", "scores"
 LEADERBOARD = "leaderboard.parquet"
 RESULTS_CACHE = ".prefect-cache"

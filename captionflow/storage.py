@@ -73,7 +73,7 @@ class Store:
             root = os.path.abspath(os.path.expanduser(root))
         self.fs, self.root = url_to_fs(root, **{**storage_options(root), **options})
         self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        self.is_local = self.protocol in ("file", "local")
+        self.is_local = is_local_fs(self.fs)
         self.uri = root
 
     def path(self, *parts: str) -> str:
@@ -106,28 +106,7 @@ class Store:
         return self._write(lambda fh: fh.write(data), *parts)
 
     def _write(self, fill, *parts: str) -> str:
-        """Atomically create the file at ``parts`` with what ``fill(file)`` writes: locally into a
-        hidden temporary file, fsynced and renamed into place; on object stores into memory, then
-        one PUT, visible whole or not at all."""
-        p = self.path(*parts)
-        if self.is_local:
-            os.makedirs(os.path.dirname(p), exist_ok=True)
-            # hidden temporary name: directory readers (pyarrow, Spark, DuckDB) skip dot-files
-            tmp = posixpath.join(os.path.dirname(p), f".{os.path.basename(p)}.tmp-{uuid.uuid4().hex}")
-            try:
-                with open(tmp, "wb") as fh:
-                    fill(fh)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, p)
-            finally:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-        else:
-            buf = io.BytesIO()
-            fill(buf)
-            self.fs.pipe_file(p, buf.getvalue())
-        return p
+        return write_atomically(self.fs, self.path(*parts), fill)
 
     def read_bytes(self, *parts: str) -> bytes:
         return self.fs.cat_file(self.path(*parts))
@@ -142,23 +121,8 @@ class Store:
         return self.write_bytes(text.encode("utf-8"), *parts)
 
     def write_table(self, table: pa.Table, *parts: str) -> str:
-        """Atomically write one Parquet file: zstd, except binary columns (encoded images, already
-        compressed: zstd and dictionary encoding only cost CPU there, 2.5x the whole write's), which
-        also get no min/max statistics (of JPEG bytes: meaningless). Written straight to the file
-        where it is local, not through a buffer copied twice."""
-        media = {f.name for f in table.schema if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type)}
-        plain = [c for c in table.column_names if c not in media]
-
-        def fill(fh) -> None:
-            pq.write_table(
-                table,
-                fh,
-                compression={c: "none" if c in media else "zstd" for c in table.column_names},
-                use_dictionary=plain,
-                write_statistics=plain,
-            )
-
-        return self._write(fill, *parts)
+        """Atomically write one Parquet file (``write_parquet``)."""
+        return write_parquet(self.fs, self.path(*parts), table)
 
     def read_table(self, path: str, columns: Iterable[str] | None = None) -> pa.Table:
         """Read one Parquet file given its full path (as returned by ``ls``)."""
@@ -198,6 +162,55 @@ class Store:
         p = self.path(*parts)
         if self.fs.exists(p):
             self.fs.rm(p, recursive=True)
+
+
+def is_local_fs(fs: fsspec.AbstractFileSystem) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("file", "local")
+
+
+def write_atomically(fs: fsspec.AbstractFileSystem, path: str, fill) -> str:
+    """Atomically create the file at ``path`` with what ``fill(file)`` writes: locally into a hidden temporary
+    file, fsynced and renamed into place; on object stores into memory, then one PUT, visible whole or not at
+    all. Returns ``path``."""
+    if is_local_fs(fs):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # hidden temporary name: directory readers (pyarrow, Spark, DuckDB) skip dot-files
+        tmp = posixpath.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
+        try:
+            with open(tmp, "wb") as fh:
+                fill(fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    else:
+        buf = io.BytesIO()
+        fill(buf)
+        fs.pipe_file(path, buf.getvalue())
+    return path
+
+
+def write_parquet(fs: fsspec.AbstractFileSystem, path: str, table: pa.Table) -> str:
+    """Atomically write one Parquet file: zstd, except binary columns (encoded images, already compressed:
+    zstd and dictionary encoding only cost CPU there, 2.5x the whole write's), which also get no min/max
+    statistics (of JPEG bytes: meaningless). Written straight to the file where it is local, not through a
+    buffer copied twice."""
+    media = {f.name for f in table.schema if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type)}
+    plain = [c for c in table.column_names if c not in media]
+
+    def fill(fh) -> None:
+        pq.write_table(
+            table,
+            fh,
+            compression={c: "none" if c in media else "zstd" for c in table.column_names},
+            use_dictionary=plain,
+            write_statistics=plain,
+        )
+
+    return write_atomically(fs, path, fill)
 
 
 def open_fs(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:

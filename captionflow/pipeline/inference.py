@@ -27,7 +27,7 @@ from captionflow.model_source import ResolvedModel
 from captionflow.pipeline import service
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.ledger import Ledger, Progress, run_passes
-from captionflow.pipeline.processor import build_vlm_processor, map_task_kwargs, read_pending
+from captionflow.pipeline.processor import build_vlm_processor, fitted_folder, map_task_kwargs, read_pending
 from captionflow.pipeline.request_format import image_prompt
 from captionflow.pipeline.session import ray_session
 from captionflow.pipeline.staging import staged
@@ -124,7 +124,8 @@ def run_inference(
             timings["ray_init_s"] = round(time.perf_counter() - t0, 2)
             with service.for_run(cfg, model, engine) as warm:  # its checkpoint loads while the passes start
                 with staged(model.path, engine.compile_dir, local=local and warm is None) as path:
-                    rows_for = _caption_rows(cfg, model, path, engine, store, shards, warm)
+                    fitted = fitted_folder(cfg, store, manifest, engine)
+                    rows_for = _caption_rows(cfg, model, path, engine, store, shards, fitted, warm)
                     passes = run_passes(ledger, all_ids, done, cfg.row_retries, rows_for, progress)
                 if warm is not None:
                     warm.wait()
@@ -167,10 +168,12 @@ def _caption_rows(
     engine: EngineSettings,
     store: Store,
     shards: list[str],
+    fitted: Optional[str],
     warm=None,
 ):
     """``rows_for(attempt, pending)``: the Ray dataset of caption rows for one pass; the engines load
-    ``model_path`` (the checkpoint, or its staged slot: staging.py)."""
+    ``model_path`` (the checkpoint, or its staged slot: staging.py); ``fitted``: where the dataset's images
+    fitted to the engine's grid are kept (``processor.fitted_folder``)."""
     inject = frozenset(x for x in os.environ.get(INJECT_ENV, "").split(",") if x)
     sampling = {
         "max_tokens": cfg.max_tokens,
@@ -198,7 +201,7 @@ def _caption_rows(
             ),
             warm=warm,
         )
-        ds = read_pending(store.fs, shards, ["image_id", "image"], pending, engine)
+        ds = read_pending(store.fs, shards, ["image_id", "image"], pending, engine, fitted)
         return processor(ds).map(
             functools.partial(caption_fixed_schema, model_fp=model.fingerprint, attempt=attempt),
             **map_task_kwargs(engine.preset),

@@ -21,7 +21,7 @@ from captionflow.lease import Lease
 from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.ledger import Ledger, read_captions, run_passes
-from captionflow.pipeline.processor import build_vlm_processor, map_task_kwargs, read_pending
+from captionflow.pipeline.processor import build_vlm_processor, fitted_folder, map_task_kwargs, read_pending
 from captionflow.pipeline.request_format import image_prompt
 from captionflow.pipeline.session import ray_session
 from captionflow.pipeline.staging import staged
@@ -132,6 +132,7 @@ def judge_passes(
     local = ray_session(cfg).started_here
     store = ledger.store
     shards = shard_paths(store, manifest)
+    fitted = fitted_folder(cfg, store, manifest, engine)
     sampling = {"max_tokens": max_tokens, "temperature": 0.0, "seed": cfg.seed, "structured_outputs": {"regex": regex}}
     map_kwargs = map_task_kwargs(engine.preset)
 
@@ -145,7 +146,7 @@ def judge_passes(
             postprocess=functools.partial(out, attempt=attempt),
         )
         images, expand = fan_out(pending) if fan_out else (pending, None)
-        ds = read_pending(store.fs, shards, ["image_id", "image", "references"], images, engine)
+        ds = read_pending(store.fs, shards, ["image_id", "image", "references"], images, engine, fitted)
         if expand:
             ds = ds.flat_map(expand, **map_kwargs)
         return processor(ds).map(functools.partial(fixed, attempt=attempt), **map_kwargs)

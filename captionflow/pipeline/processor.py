@@ -25,9 +25,11 @@ import pyarrow as pa
 
 from captionflow.compat.cuda_mps import ensure_mps
 from captionflow.compat.driver_imports import prewarmed, without_vllm
+from captionflow.layout import FITTED, dataset_parts
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.presets import Preset
 from captionflow.pipeline.session import WORKER_ENV, keep_sigterm
+from captionflow.workers.fitted_images import cache_key, fitted_path
 from captionflow.workers.llm_rows import read_pending_rows
 
 
@@ -38,8 +40,16 @@ def map_task_kwargs(preset: Preset) -> dict[str, Any]:
     return {"num_cpus": preset.map_cpus, "compute": ray.data.TaskPoolStrategy(size=preset.map_concurrency)}
 
 
-def read_pending(fs, shard_paths: list[str], columns: list[str], pending: list[str], engine: EngineSettings):
-    """A Ray dataset of the dataset shards' rows whose image_id is in ``pending``.
+def read_pending(
+    fs,
+    shard_paths: list[str],
+    columns: list[str],
+    pending: list[str],
+    engine: EngineSettings,
+    fitted: str | None = None,
+):
+    """A Ray dataset of the dataset shards' rows whose image_id is in ``pending``; with ``fitted`` (a folder:
+    ``fitted_folder``), their images fitted to the engine's grid, read from there or fitted once and kept.
 
     One read task per shard, named by the manifest: no listing (Ray Data 2.60's ``read_parquet`` first lists
     the files in a task of its own that reads their footers on a pool of actors: two process starts one after
@@ -51,14 +61,25 @@ def read_pending(fs, shard_paths: list[str], columns: list[str], pending: list[s
     import ray
 
     preset = engine.preset
-    ds = ray.data.from_items([{"shard": p} for p in shard_paths], override_num_blocks=max(len(shard_paths), 1))
-    ds = ds.map_batches(
-        functools.partial(read_pending_rows, fs=fs, columns=columns, pending=pa.array(pending, pa.string())),
-        batch_size=1,
-        batch_format="pyarrow",
-        **map_task_kwargs(preset),
+    shards = [{"shard": p, "fitted": fitted_path(fitted, p) if fitted else ""} for p in shard_paths]
+    ds = ray.data.from_items(shards, override_num_blocks=max(len(shard_paths), 1))
+    read = functools.partial(
+        read_pending_rows,
+        fs=fs,
+        columns=columns,
+        pending=pa.array(pending, pa.string()),
+        grid=engine.image_grid if fitted else None,
     )
+    ds = ds.map_batches(read, batch_size=1, batch_format="pyarrow", **map_task_kwargs(preset))
     return ds.repartition(target_num_rows_per_block=engine.batch_size)
+
+
+def fitted_folder(cfg, store, manifest, engine: EngineSettings) -> str | None:
+    """Where a dataset's images fitted to the engine's grid are kept (``workers/fitted_images.py``), or None: no
+    grid (the engine resizes), or a dataset of more than ``engine_image_cache_max_images`` images."""
+    if not engine.image_grid or manifest.counts.accepted > cfg.engine_image_cache_max_images:
+        return None
+    return store.path(*dataset_parts(manifest.dataset_fingerprint), FITTED, cache_key(engine.image_grid))
 
 
 def max_pending_requests(engine: EngineSettings) -> int | None:

@@ -13,10 +13,12 @@ the preprocessed image bytes from the row: Ray Data LLM carries every input colu
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from captionflow.workers.fitted_images import fitted_array, read_fitted_shard
 from captionflow.workers.image_prompt import ImagePrompt
 from captionflow.workers.images import engine_image
 
@@ -48,16 +50,17 @@ JUDGE_SCHEMA = pa.schema(
 )
 
 
-def engine_request(
-    image_id: str, image: bytes, prompt: ImagePrompt, system: str, text: str, sampling: dict, grid=None
-) -> dict:
-    """One request as Ray Data LLM's engine stage takes it: the prompt (``prompt`` rendered around ``system`` and
-    ``text``) and the image as an RGB array fitted to the engine's patch grid when ``grid`` is given
-    (``images.engine_image``)."""
+def engine_request(row: dict, prompt: ImagePrompt, system: str, text: str, sampling: dict, grid=None) -> dict:
+    """One request as Ray Data LLM's engine stage takes it, for ``row``'s image (taken out of the row): the prompt
+    (``prompt`` rendered around ``system`` and ``text``) and the image as an RGB array fitted to the engine's patch
+    grid when ``grid`` is given - read fitted (``fitted_images``) or fitted here (``images.engine_image``)."""
+    image = fitted_array(row)
+    if image is None:
+        image = engine_image(row.pop("image"), grid)
     return {
-        "image_id": image_id,
+        "image_id": row["image_id"],
         "prompt": prompt.render(system, text),
-        "multimodal_data": {"image": engine_image(image, grid)},
+        "multimodal_data": {"image": image},
         "sampling_params": sampling,
     }
 
@@ -67,13 +70,20 @@ def keep_pending(batch: pa.Table, *, pending: pa.Array) -> pa.Table:
     return batch.filter(pc.is_in(batch["image_id"], value_set=pending))
 
 
-def read_pending_rows(batch: pa.Table, *, fs, columns: list[str], pending: pa.Array) -> pa.Table:
+def read_pending_rows(
+    batch: pa.Table, *, fs, columns: list[str], pending: pa.Array, grid: Optional[tuple[int, int, int]] = None
+) -> pa.Table:
     """Read: the ``pending`` rows (``columns``) of the dataset shards named in ``batch["shard"]`` (``fs``: the
-    output root's fsspec filesystem)."""
+    output root's fsspec filesystem). Where ``batch["fitted"]`` names a file, each image comes fitted to ``grid``
+    from there (``fitted_images``)."""
     import pyarrow.parquet as pq
 
     tables = []
-    for path in batch["shard"].to_pylist():
+    fitted = batch["fitted"].to_pylist() if "fitted" in batch.column_names else [""] * batch.num_rows
+    for path, fitted_path in zip(batch["shard"].to_pylist(), fitted):
+        if fitted_path and grid and "image" in columns:
+            tables.append(read_fitted_shard(fs, path, fitted_path, columns, pending, grid))
+            continue
         with fs.open(path, "rb") as fh:
             tables.append(keep_pending(pq.read_table(fh, columns=columns), pending=pending))
     return pa.concat_tables(tables) if tables else pa.table({c: [] for c in columns})
@@ -95,7 +105,7 @@ def caption_request(
     params = dict(sampling)
     if row["image_id"] in fail_ids:
         params["temperature"] = -1.0
-    return engine_request(row["image_id"], row.pop("image"), image_prompt, system_prompt, prompt, params, grid)
+    return engine_request(row, image_prompt, system_prompt, prompt, params, grid)
 
 
 def to_caption(row: dict, *, max_tokens: int, model_fp: str, attempt: int) -> dict:
@@ -147,7 +157,7 @@ def judge_prompt(caption: str, references: list[str]) -> str:
 def judge_request(row: dict, *, captions: dict, image_prompt: ImagePrompt, sampling: dict, grid=None) -> dict:
     """Preprocess: one judging request (the image, the caption, the references)."""
     text = judge_prompt(captions[row["image_id"]], list(row.get("references") or []))
-    return engine_request(row["image_id"], row.pop("image"), image_prompt, JUDGE_SYSTEM, text, sampling, grid)
+    return engine_request(row, image_prompt, JUDGE_SYSTEM, text, sampling, grid)
 
 
 def parse_judgement(text: str) -> tuple[int, str]:
@@ -231,7 +241,7 @@ def pairwise_request(
     if order == "ba":
         a, b = b, a
     text = pairwise_prompt(a, b, list(row.get("references") or []))
-    return engine_request(row["image_id"], row.pop("image"), image_prompt, PAIRWISE_SYSTEM, text, sampling, grid)
+    return engine_request(row, image_prompt, PAIRWISE_SYSTEM, text, sampling, grid)
 
 
 def parse_pairwise(text: str) -> tuple[str, str]:
