@@ -46,20 +46,23 @@ _ENGLISH_FUNCTION_WORDS = frozenset(
 )
 
 
+_ASCII_LETTER = re.compile(r"[A-Za-z]")
+
+
 def _words(text: str) -> list[str]:
     return simple_tokenize(text).split()
 
 
-def faults(caption: str, prompts: Iterable[str] = ()) -> list[str]:
-    """The faults of one caption (a subset of CHECKS, in that order)."""
+def faults(caption: str, prompts: Iterable[str] = (), prompt_words: list[list[str]] | None = None) -> list[str]:
+    """The faults of one caption (a subset of CHECKS, in that order); ``prompt_words``: the prompts' words, when
+    the caller has them."""
     found = []
     if _REFUSAL.search(caption):
         found.append("refusal")
     if _REASONING.search(caption):
         found.append("reasoning_leak")
     cap_words = _words(caption)
-    for prompt in prompts:
-        p_words = _words(prompt)
+    for p_words in prompt_words if prompt_words is not None else [_words(p) for p in prompts]:
         if not p_words or not cap_words:
             continue
         joined_cap, joined_prompt = " ".join(cap_words), " ".join(p_words)
@@ -68,9 +71,13 @@ def faults(caption: str, prompts: Iterable[str] = ()) -> list[str]:
         if joined_prompt in joined_cap or overlap >= 0.8:
             found.append("prompt_echo")
             break
-    letters = [c for c in caption if c.isalpha()]
-    if letters:
-        ascii_share = sum(1 for c in letters if c.isascii()) / len(letters)
+    if caption.isascii():  # every letter ASCII (most captions: no per-character pass)
+        n_letters = n_ascii = 1 if _ASCII_LETTER.search(caption) else 0
+    else:
+        letters = [c for c in caption if c.isalpha()]
+        n_letters, n_ascii = len(letters), sum(1 for c in letters if c.isascii())
+    if n_letters:
+        ascii_share = n_ascii / n_letters
         latin_but_foreign = len(cap_words) >= 6 and not (set(cap_words) & _ENGLISH_FUNCTION_WORDS)
         if ascii_share < 0.8 or latin_but_foreign:
             found.append("non_target_language")
@@ -79,13 +86,13 @@ def faults(caption: str, prompts: Iterable[str] = ()) -> list[str]:
 
 def caption_health(rows: Iterable[dict], prompts: Iterable[str] = ()) -> dict:
     """Counts, rates and up to EXAMPLES examples per fault over caption rows (``image_id``, ``caption``)."""
-    prompts = [p for p in prompts if p]
+    prompt_words = [_words(p) for p in prompts if p]
     counts = dict.fromkeys(CHECKS, 0)
     examples: dict[str, list[dict]] = {k: [] for k in CHECKS}
     n = 0
     for row in rows:
         n += 1
-        for fault in faults(row["caption"], prompts):
+        for fault in faults(row["caption"], prompt_words=prompt_words):
             counts[fault] += 1
             if len(examples[fault]) < EXAMPLES:
                 examples[fault].append({"image_id": row["image_id"], "caption": row["caption"][:200]})

@@ -82,7 +82,11 @@ def _pct(values: list[float], q: float) -> float:
 
 def repetition(text: str, n: int = 3) -> float:
     """Share of repeated word n-grams in one caption (0 = none repeated)."""
-    words = simple_tokenize(text).split()
+    return word_repetition(simple_tokenize(text).split(), n)
+
+
+def word_repetition(words: list[str], n: int = 3) -> float:
+    """``repetition`` of a caption's words (``simple_tokenize``'s)."""
     grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
     return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
 
@@ -90,9 +94,10 @@ def repetition(text: str, n: int = 3) -> float:
 def length_stats(captions: Iterable[str], finish_reasons: Iterable[str], n_failed: int) -> dict:
     caps = list(captions)
     reasons = list(finish_reasons)
-    words = [len(simple_tokenize(c).split()) for c in caps]
+    tokens = [simple_tokenize(c).split() for c in caps]
+    words = [len(t) for t in tokens]
     chars = [len(c) for c in caps]
-    vocab = {w for c in caps for w in simple_tokenize(c).split()}
+    vocab = {w for t in tokens for w in t}
     n = len(caps)
     total = n + n_failed
 
@@ -111,7 +116,7 @@ def length_stats(captions: Iterable[str], finish_reasons: Iterable[str], n_faile
         "chars": dist(chars),
         "empty_rate": sum(1 for c in caps if not c.strip()) / n if n else 0.0,
         "truncated_rate": sum(1 for r in reasons if r == "length") / n if n else 0.0,
-        "repetition_rate": statistics.fmean(repetition(c) for c in caps) if caps else 0.0,
+        "repetition_rate": statistics.fmean(word_repetition(t) for t in tokens) if caps else 0.0,
         "vocabulary_size": len(vocab),
         "failure_rate": n_failed / total if total else 0.0,
     }
