@@ -85,13 +85,13 @@ def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
 
 
 def prewarm_workers(cfg: RunConfig, engine: EngineSettings) -> None:
-    """Workers for the inference pipeline's first tasks (its CPU operators and a warm stage's actor), at most half
-    the cluster's CPUs."""
+    """Workers for the inference pipeline's first tasks (its reads, its requests), at most half the cluster's
+    CPUs."""
     from captionflow.pipeline.session import ray_session
     from captionflow.pipeline.worker_prewarm import start
 
     cpus = ray_session(cfg).resources().get("CPU", 1)
-    start(min(engine.preset.map_concurrency + 4, int(cpus // 2)), warm=cfg.warm_engines != "off")
+    start(min(engine.preset.map_concurrency + 4, int(cpus // 2)))
 
 
 # ---------------------------------------------------------------- storage

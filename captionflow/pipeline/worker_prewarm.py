@@ -5,8 +5,9 @@ service's cluster the first block of a warm run went through new processes one a
 building the requests, the warm stage's actor), each importing pyarrow, Ray Data and captionflow's row code before
 doing any work: 4.7 s from the dataset's start to its first request on the H100 host, where the 5,000 captions then
 took ~20 s. ``start`` has idle workers of the run's job import them while its first stages (ingest, the cached
-preprocess) go on; Ray hands the job's next tasks, and actors of the job's environment, to idle workers first.
-Nothing waits for them: a task that comes first starts a worker of its own, as without this.
+preprocess) go on; Ray hands the job's next tasks to idle workers first. Not its actors: Ray 2.60 starts a process
+of its own for each actor (the warm stage's among them), however idle the job's workers. Nothing waits for them:
+a task that comes first starts a worker of its own, as without this.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ MODULES = (
     "captionflow.workers.llm_rows",
     "captionflow.workers.images",
 )
-# and the warm stage's actor (warm_stage.py)
-WARM_MODULES = ("ray.llm._internal.batch.stages.base", "ray.serve", "captionflow.pipeline.warm_stage")
 
 
 def import_modules(names: tuple[str, ...]) -> int:
@@ -38,12 +37,10 @@ def import_modules(names: tuple[str, ...]) -> int:
     return os.getpid()
 
 
-def start(workers: int, warm: bool) -> list[Any]:
-    """Have ``workers`` worker processes of the connected job import ``MODULES`` (and ``WARM_MODULES``: ``warm``);
-    their object refs (each a worker's pid), not waited for. The tasks declare no CPU: they take nothing the
-    pipeline's own tasks declare."""
+def start(workers: int) -> list[Any]:
+    """Have ``workers`` worker processes of the connected job import ``MODULES``; their object refs (each a worker's
+    pid), not waited for. The tasks declare no CPU: they take nothing the pipeline's own tasks declare."""
     import ray
 
-    names = MODULES + (WARM_MODULES if warm else ())
     task = ray.remote(num_cpus=0, max_retries=0)(import_modules)
-    return [task.remote(names) for _ in range(max(0, workers))]
+    return [task.remote(MODULES) for _ in range(max(0, workers))]

@@ -1,4 +1,5 @@
-"""Idle workers of a run's Ray job import what its first tasks need, and the job's next task runs in one of them."""
+"""Idle workers of a run's Ray job import what its first tasks need, and the job's next task runs in one of them; an
+actor does not (Ray starts a process for it: the warm stage's actor cannot be prewarmed this way)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,22 @@ SCRIPT = textwrap.dedent(
     from captionflow.pipeline import worker_prewarm
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    pids = set(ray.get(worker_prewarm.start(2, warm=True), timeout=240))
+    pids = set(ray.get(worker_prewarm.start(2), timeout=240))
 
     @ray.remote(num_cpus=0.5)
     def task():
-        return os.getpid(), [m in sys.modules for m in worker_prewarm.MODULES + worker_prewarm.WARM_MODULES]
+        return os.getpid(), [m in sys.modules for m in worker_prewarm.MODULES]
+
+    @ray.remote(num_cpus=0.5)
+    class Actor:
+        def pid(self):
+            return os.getpid()
 
     time.sleep(0.5)
+    actor_pid = ray.get(Actor.remote().pid.remote(), timeout=120)
     pid, imported = ray.get(task.remote(), timeout=120)
-    print("RESULT " + json.dumps({"prewarmed": len(pids), "reused": pid in pids, "imported": imported}))
+    result = {"prewarmed": len(pids), "reused": pid in pids, "imported": imported, "actor_reused": actor_pid in pids}
+    print("RESULT " + json.dumps(result))
     ray.shutdown()
     """
 )
@@ -31,4 +39,5 @@ SCRIPT = textwrap.dedent(
 def test_the_jobs_next_task_runs_in_a_worker_that_imported_the_pipelines_modules(tmp_path):
     _, r = run_script(SCRIPT, tmp_path)
     assert r["prewarmed"] >= 1 and r["reused"]
-    assert all(r["imported"])  # Ray Data, captionflow's row code, the warm stage's imports: before the task ran
+    assert all(r["imported"])  # Ray Data, captionflow's row code: before the task ran
+    assert not r["actor_reused"]  # if Ray ever gives actors idle workers, the warm stage's actor can be prewarmed
