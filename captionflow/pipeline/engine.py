@@ -254,8 +254,9 @@ def engine_env(cfg: RunConfig) -> dict[str, str]:
 
     vLLM's AOT-compiled graphs live under its cache root, not under compilation_config's cache_dir; the Triton
     kernels an engine JIT-compiles in its warm-up under Triton's cache (on a fresh H100 machine the warm-up after graph
-    capture took 17 s, and a whole engine init 19-23 s against ~4 s on a machine that had run one): both go to
-    ``compile_cache_dir`` when it is set, so that a fresh node finds them there.
+    capture took 17 s, and a whole engine init 19-23 s against ~4 s on a machine that had run one), and what
+    Inductor makes of the functions vLLM compiles outside its graphs (its sampler's) under Inductor's: all three go
+    to ``compile_cache_dir`` when it is set, so that a fresh node finds them there.
     ``mm_tensor_ipc: torch_shm`` in ``engine_kwargs`` is refused by vLLM's config check unless the start method
     is said to be ``spawn``: what vLLM uses from a Ray actor anyway (the shared-core host of ``front_ends``,
     not a Ray actor, forks otherwise, so it is said only then)."""
@@ -265,6 +266,7 @@ def engine_env(cfg: RunConfig) -> dict[str, str]:
     if cfg.compile_cache_dir:
         env["VLLM_CACHE_ROOT"] = str(Path(cfg.compile_cache_dir) / "vllm")
         env["TRITON_CACHE_DIR"] = str(Path(cfg.compile_cache_dir) / "triton")
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cfg.compile_cache_dir) / "inductor")
     return env
 
 

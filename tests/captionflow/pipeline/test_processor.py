@@ -60,10 +60,11 @@ def test_processor_stages_carry_the_resolved_settings(builtin_model_dir, tmp_pat
     assert env == {**WORKER_ENV, **engine.env}
     assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "shared" / "vllm")
     assert env["TRITON_CACHE_DIR"] == str(tmp_path / "shared" / "triton")  # the kernels its warm-up compiles
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "shared" / "inductor")  # and its sampler's functions
     assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
     plain = resolve_engine(RunConfig(device="cpu"), model, CPU)
     assert "VLLM_WORKER_MULTIPROC_METHOD" not in plain.env and "VLLM_CACHE_ROOT" not in plain.env
-    assert "TRITON_CACHE_DIR" not in plain.env
+    assert "TRITON_CACHE_DIR" not in plain.env and "TORCHINDUCTOR_CACHE_DIR" not in plain.env
     assert passed["disable_log_stats"] is True  # no statistics work on the front end unless metrics are exported
 
 
