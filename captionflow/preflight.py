@@ -22,7 +22,6 @@ import uuid
 from pathlib import Path
 
 from captionflow.compat.driver_imports import prewarm
-from captionflow.compat.sampler_kernels import prebuild as prebuild_sampler
 from captionflow.compat.vllm_modelinfo import prefetch as prefetch_model_info
 from captionflow.config import RunConfig
 from captionflow.errors import CaptionflowError, DatasetError
@@ -56,8 +55,7 @@ def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
     after them (on the 2-core CPU VM every core is busy with the run's first stages: no gain, so not there); on a
     cluster, idle workers of the run's job import what its pipeline's first tasks import (``worker_prewarm``). On a
     local Ray, vLLM's inspection of the model class starts in a background process when it is not cached yet
-    (``compat.vllm_modelinfo``), and on a local GPU the sampler kernels every engine's warm-up compiles
-    (``compat.sampler_kernels``)."""
+    (``compat.vllm_modelinfo``)."""
     check_output(cfg.output)
     check_dataset(cfg.dataset)
     model = resolve_model(cfg.model, dummy_weights=cfg.dummy_weights())
@@ -83,10 +81,6 @@ def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
     if local:  # vLLM's inspection of the model class, cached while the run's first stages run (its engines ask)
         for architecture in {m.architecture for m in (model, judge) if m}:
             prefetch_model_info(architecture, engine_env(cfg))
-    if local and device == "gpu":  # and the sampler kernels every engine's warm-up compiles
-        engines = [(model, engine)] + ([(judge, judge_engine)] if judge and judge_engine else [])
-        for path, rows in {(m.path, int(e.engine_kwargs.get("max_num_seqs") or 0)) for m, e in engines}:
-            prebuild_sampler(path, rows, engine_env(cfg))
     return PreflightResult(model=model, judge=judge, engine=engine, judge_engine=judge_engine, clip=clip)
 
 
