@@ -47,7 +47,11 @@ class WarmEngineStageUDF(StatefulStageUDF):
         self._use(app_names)
         self.next = 0
         self.model_fingerprint = model_fingerprint
-        self.token, self.controller, self.wait_s = token, controller, wait_s
+        self.token, self.wait_s, self.controller_name = token, wait_s, controller
+        try:  # looked up now, so that the first batch only waits for the answer; if gone, the gate says so
+            self.controller = self._controller(*controller)
+        except Exception:
+            self.controller = None
         self.gate: asyncio.Future | None = None
         self.started = time.perf_counter()
         self.first_back = False
@@ -64,13 +68,17 @@ class WarmEngineStageUDF(StatefulStageUDF):
         self.handles = [serve.get_deployment_handle(self.deployment_name, app) for app in self.app_names]
         self.in_flight = [0] * len(self.handles)
 
-    async def _open_gate(self) -> None:
-        """Wait until the run's checkpoint is in every engine and checked; the engines to use then."""
+    @staticmethod
+    def _controller(name: str, namespace: str):
         import ray
 
+        return ray.get_actor(name, namespace=namespace)
+
+    async def _open_gate(self) -> None:
+        """Wait until the run's checkpoint is in every engine and checked; the engines to use then."""
         t0 = time.perf_counter()
-        name, namespace = self.controller
-        got = await ray.get_actor(name, namespace=namespace).wait_ready.remote(self.token, self.wait_s)
+        controller = self.controller or self._controller(*self.controller_name)
+        got = await controller.wait_ready.remote(self.token, self.wait_s)
         if "error" in got:
             raise RuntimeError(f"warm engines: {got['error']}")
         if got["apps"] != self.app_names:  # the engines were replaced by others
