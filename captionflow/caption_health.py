@@ -16,6 +16,7 @@ other words a false negative. They count and show examples; they change no metri
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 
@@ -53,16 +54,21 @@ def _words(text: str) -> list[str]:
     return simple_tokenize(text).split()
 
 
-def faults(caption: str, prompts: Iterable[str] = (), prompt_words: list[list[str]] | None = None) -> list[str]:
-    """The faults of one caption (a subset of CHECKS, in that order); ``prompt_words``: the prompts' words, when
-    the caller has them."""
+@functools.lru_cache(maxsize=64)
+def _prompt_words(prompt: str) -> tuple[str, ...]:
+    """A prompt's words, tokenised once however many captions are checked against it."""
+    return tuple(_words(prompt))
+
+
+def faults(caption: str, prompts: Iterable[str] = ()) -> list[str]:
+    """The faults of one caption (a subset of CHECKS, in that order)."""
     found = []
     if _REFUSAL.search(caption):
         found.append("refusal")
     if _REASONING.search(caption):
         found.append("reasoning_leak")
     cap_words = _words(caption)
-    for p_words in prompt_words if prompt_words is not None else [_words(p) for p in prompts]:
+    for p_words in (_prompt_words(p) for p in prompts):
         if not p_words or not cap_words:
             continue
         joined_cap, joined_prompt = " ".join(cap_words), " ".join(p_words)
@@ -86,13 +92,13 @@ def faults(caption: str, prompts: Iterable[str] = (), prompt_words: list[list[st
 
 def caption_health(rows: Iterable[dict], prompts: Iterable[str] = ()) -> dict:
     """Counts, rates and up to EXAMPLES examples per fault over caption rows (``image_id``, ``caption``)."""
-    prompt_words = [_words(p) for p in prompts if p]
+    prompts = [p for p in prompts if p]
     counts = dict.fromkeys(CHECKS, 0)
     examples: dict[str, list[dict]] = {k: [] for k in CHECKS}
     n = 0
     for row in rows:
         n += 1
-        for fault in faults(row["caption"], prompt_words=prompt_words):
+        for fault in faults(row["caption"], prompts):
             counts[fault] += 1
             if len(examples[fault]) < EXAMPLES:
                 examples[fault].append({"image_id": row["image_id"], "caption": row["caption"][:200]})

@@ -72,7 +72,7 @@ class Store:
         if "://" not in root:
             root = os.path.abspath(os.path.expanduser(root))
         self.fs, self.root = url_to_fs(root, **{**storage_options(root), **options})
-        self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        self.protocol = fs_protocol(self.fs)
         self.is_local = is_local_fs(self.fs)
         self.uri = root
 
@@ -164,9 +164,12 @@ class Store:
             self.fs.rm(p, recursive=True)
 
 
+def fs_protocol(fs: fsspec.AbstractFileSystem) -> str:
+    return fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+
+
 def is_local_fs(fs: fsspec.AbstractFileSystem) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return protocol in ("file", "local")
+    return fs_protocol(fs) in ("file", "local")
 
 
 def write_atomically(fs: fsspec.AbstractFileSystem, path: str, fill) -> str:

@@ -95,16 +95,20 @@ def read_fitted_shard(
     table = _parquet(fs, shard, ["image_id", *(c for c in columns if c not in ("image_id", "image"))])
     keep = pc.is_in(table["image_id"], value_set=pending)
     if not pc.any(keep).as_py():
-        table, images = table.slice(0, 0), SCHEMA.empty_table()
-    else:
-        shard_bytes = fs.size(shard)
-        images = _fitted(fs, fitted, table["image_id"], shard_bytes)
-        if images is None:
-            images = fit_table(_parquet(fs, shard, ["image_id", "image"]), grid)
-            write_parquet(fs, fitted, images.replace_schema_metadata({SHARD_BYTES: str(shard_bytes)}))
+        return _joined(table.slice(0, 0), SCHEMA.empty_table())
+    shard_bytes = fs.size(shard)
+    images = _fitted(fs, fitted, table["image_id"], shard_bytes)
+    if images is None:
+        images = fit_table(_parquet(fs, shard, ["image_id", "image"]), grid)
+        write_parquet(fs, fitted, images.replace_schema_metadata({SHARD_BYTES: str(shard_bytes)}))
+    return _joined(table, images).filter(keep)
+
+
+def _joined(table: pa.Table, images: pa.Table) -> pa.Table:
+    """``table``'s columns, then ``images``' fitted image columns (row for row)."""
     for name in (RGB, HEIGHT, WIDTH):
         table = table.append_column(SCHEMA.field(name), images[name])
-    return table.filter(keep) if table.num_rows else table
+    return table
 
 
 def fitted_array(row: dict):

@@ -79,9 +79,8 @@ def read_pending_rows(
     import pyarrow.parquet as pq
 
     tables = []
-    fitted = batch["fitted"].to_pylist() if "fitted" in batch.column_names else [""] * batch.num_rows
-    for path, fitted_path in zip(batch["shard"].to_pylist(), fitted):
-        if fitted_path and grid and "image" in columns:
+    for path, fitted_path in zip(batch["shard"].to_pylist(), batch["fitted"].to_pylist()):
+        if fitted_path:
             tables.append(read_fitted_shard(fs, path, fitted_path, columns, pending, grid))
             continue
         with fs.open(path, "rb") as fh:
