@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -602,12 +603,19 @@ def flow_command(a: argparse.Namespace, images: str, out: Path, model: str, summ
         "--cuda-mps",
         a.cuda_mps,
     ]
+    return cmd + layout_options(a)
+
+
+def layout_options(a: argparse.Namespace) -> list:
+    """The engine layout's options (engines per GPU, front ends, more run parameters as a config file): the same
+    for a run and for the warm service it uses (else the run would not match the service's engines)."""
+    cmd = []
     if a.engines_per_gpu:
         cmd += ["--engines-per-gpu", str(a.engines_per_gpu)]
     if a.front_ends:
         cmd += ["--front-ends", str(a.front_ends)]
     if json.loads(a.pipeline_config):  # a YAML config file (JSON is YAML); the options above win
-        extra = Path(a.work) / "flow-config.yaml"
+        extra = Path(a.work) / f"flow-config-{hashlib.sha256(a.pipeline_config.encode()).hexdigest()[:8]}.yaml"
         extra.write_text(a.pipeline_config)
         cmd += ["--config", str(extra)]
     return cmd
@@ -697,7 +705,7 @@ def _flow_timed(a, name: str, images: str, model: str, engine_kwargs: str, env: 
 
     row = out / ROWS / row_file(*s["run_dir"].rstrip("/").split("/")[-3:])  # this run's own row
     text = log.read_text(errors="replace")
-    return {
+    res = {
         "verdict_s": round(t1 - t0, 2),
         "first_caption_after_s": round(stamps[0][0] - t0, 2) if stamps else None,
         "last_caption_after_s": round(stamps[-1][0] - t0, 2) if stamps else None,
@@ -707,7 +715,44 @@ def _flow_timed(a, name: str, images: str, model: str, engine_kwargs: str, env: 
         "captioned": s["counts"]["captioned"],
         "engines": s.get("engines"),
         "timings_s": s.get("timings_s"),
+        # captions committed in each second after the command's start: waves of requests show as bursts
+        "captions_per_s": per_second(stamps, t0),
+        "run_dir": s["run_dir"],
+        "leaderboard_row": str(row),
     }
+    if a.engine_stats:  # each engine's running and waiting requests, second by second, over the run
+        res["engine_seconds"] = engine_seconds(t0, t1)
+    return res
+
+
+def per_second(stamps: list[tuple[float, int]], t0: float) -> list[int]:
+    """Rows of ``stamps`` ((time, rows) of each commit) in each whole second after ``t0``, up to the last."""
+    if not stamps:
+        return []
+    counts = [0] * (int(stamps[-1][0] - t0) + 1)
+    for t, rows in stamps:
+        counts[max(0, int(t - t0))] += rows
+    return counts
+
+
+def engine_seconds(t0: float, t1: float, ray_tmp: str = "/tmp/ray") -> list[dict]:
+    """vLLM's statistics lines (``--engine-stats``: one a second per busy engine) between ``t0`` and ``t1``, per
+    engine: [seconds after t0, running, waiting, generated tokens/s] each."""
+    year = time.localtime().tm_year
+    out = []
+    for f in _worker_logs(ray_tmp):
+        rows = []
+        with open(f, errors="replace") as fh:
+            for line in fh:
+                m = _STATS.search(line)
+                if not m:
+                    continue
+                t = time.mktime(time.strptime(f"{year}-{m[1]}-{m[2]} {m[3]}", "%Y-%m-%d %H:%M:%S"))
+                if t0 - 1 <= t <= t1 + 1:
+                    rows.append([round(t - t0), int(m[6]), int(m[7]), round(float(m[5]))])
+        if rows:
+            out.append({"log": f.name, "seconds": rows})
+    return out
 
 
 # what a run's log says, by the first line that says it (Prefect's console lines carry the local time of day,
@@ -878,6 +923,8 @@ def _verdict(a: argparse.Namespace, sampler: GpuSampler, prefect_env: dict) -> d
     todo = set(a.verdict_phases.split(","))
     if "cold" in todo:
         res["cold"] = _flow_timed(a, "cold", images, ckpt_a, kwargs, env)
+        save_engine_logs(Path(a.work) / "phase-verdict-cold-engines.log")  # the run's own Ray: the newest
+        (Path(a.work) / "verdict-partial.json").write_text(json.dumps(res, indent=2))
     if "warm_cache" in todo:
         res["warm_cache"] = _flow_timed(a, "warm-cache", images, ckpt_b, kwargs, env)
     if "warm_engines" in todo:
@@ -903,30 +950,60 @@ def _verdict(a: argparse.Namespace, sampler: GpuSampler, prefect_env: dict) -> d
 
 
 def _warm_engines(a, res: dict, images: str, ckpt_a: str, ckpt_c: str, kwargs: str, env: dict, cc: Path) -> None:
-    """A service on checkpoint A, then a run of checkpoint C (swapped in)."""
-    serve_log = Path(a.work) / "phase-verdict-serve.log"
+    """A service on checkpoint A, then a run of checkpoint C (swapped in); with ``--warm-layouts``, that for each
+    engine layout in turn (the first gives ``warm_engines``, every one ``warm_layouts``), C's captions removed
+    between them so that each layout captions the whole set."""
+    layouts = json.loads(a.warm_layouts) if a.warm_layouts else [{"name": "as given"}]
+    for i, layout in enumerate(layouts):
+        la = argparse.Namespace(
+            **{
+                **vars(a),
+                "engines_per_gpu": layout.get("engines_per_gpu", a.engines_per_gpu),
+                "pipeline_config": json.dumps({**json.loads(a.pipeline_config), **layout.get("pipeline_config", {})}),
+            }
+        )
+        lkwargs = json.dumps({**json.loads(kwargs), **layout.get("engine_kwargs", {})})
+        got = _warm_layout(la, res, images, ckpt_a, ckpt_c, lkwargs, env, cc, suffix="" if i == 0 else f"-{i}")
+        if i == 0:
+            res.update({k: got[k] for k in ("service_start_s", "warm_engines", "warm_engines_a_first") if k in got})
+        if a.warm_layouts:
+            res.setdefault("warm_layouts", []).append({"layout": layout, **got})
+        # what is done so far, should the lease end before the phase does
+        (Path(a.work) / "verdict-partial.json").write_text(json.dumps(res, indent=2))
+        done = got.get("warm_engines") or {}
+        if done.get("run_dir"):  # the next layout captions C again
+            shutil.rmtree(done["run_dir"], ignore_errors=True)
+            Path(done["leaderboard_row"]).unlink(missing_ok=True)
+
+
+def _warm_layout(a, res: dict, images: str, ckpt_a: str, ckpt_c: str, kwargs: str, env: dict, cc: Path, suffix: str):
+    got: dict = {}
+    serve_log = Path(a.work) / f"phase-verdict-serve{suffix}.log"
     serve_cmd = [sys.executable, "-m", "flows.cli", "serve", "--model", ckpt_a, "--device", a.device]
     serve_cmd += ["--max-pixels", str(a.max_pixels), "--max-image-side", str(a.max_image_side)]
     serve_cmd += ["--engine-kwargs", kwargs, "--compile-cache-dir", str(cc), "--idle-timeout", "900"]
+    serve_cmd += ["--cuda-mps", a.cuda_mps] + layout_options(a)
     t0 = time.time()
     with open(serve_log, "w") as fh:
         server = subprocess.Popen(serve_cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env)
     try:
         while "warm engines ready" not in serve_log.read_text(errors="replace"):
             if server.poll() is not None or time.time() - t0 > a.phase_timeout:
-                res["warm_engines"] = {"error": "the service did not start", "log_tail": serve_log.read_text()[-4000:]}
+                got["warm_engines"] = {"error": "the service did not start", "log_tail": serve_log.read_text()[-4000:]}
                 break
             time.sleep(1)
         else:
-            res["service_start_s"] = round(time.time() - t0, 2)
-            if "cold" not in res and "warm_cache" not in res:
+            got["service_start_s"] = round(time.time() - t0, 2)
+            if "cold" not in res and "warm_cache" not in res and "warm_engines" not in res:
                 # nothing preprocessed the golden set yet: a run of the loaded checkpoint A does (no swap)
-                res["warm_engines_a_first"] = _flow_timed(a, "warm-engines-a", images, ckpt_a, kwargs, env)
+                got["warm_engines_a_first"] = _flow_timed(a, "warm-engines-a", images, ckpt_a, kwargs, env)
             # a checkpoint the golden set has not seen (else its captions are already committed there)
             root = "out-verdict" if ckpt_c not in res["checkpoints"][:2] else "out-verdict-c"
-            res["warm_engines"] = _flow_timed(a, "warm-engines", images, ckpt_c, kwargs, env, root)
+            got["warm_engines"] = _flow_timed(a, f"warm-engines{suffix}", images, ckpt_c, kwargs, env, root)
+            save_engine_logs(Path(a.work) / f"phase-verdict-serve-engines{suffix}.log")  # the service's Ray
     finally:
         _stop(server, 120)
+    return got
 
 
 PHASES = {"raw": phase_raw, "stage": phase_stage, "flow": phase_flow}
@@ -1082,6 +1159,12 @@ def main() -> int:
     )
     ap.add_argument("--model-c", help="the verdict's third checkpoint (warm engines; default: --model-b)")
     ap.add_argument(
+        "--warm-layouts",
+        help="the warm-engine verdict for each of these engine layouts in turn (a JSON list of objects with "
+        "name and any of engines_per_gpu, pipeline_config, engine_kwargs, over the options above), e.g. "
+        '\'[{"name":"4x512"},{"name":"2x1024","engines_per_gpu":2,"pipeline_config":{"max_num_seqs":1024}}]\'',
+    )
+    ap.add_argument(
         "--prefect",
         choices=["server", "ephemeral"],
         default="server",
@@ -1192,6 +1275,14 @@ def _table(results: dict) -> None:
     if "verdict" in results:
         v = results["verdict"]
         print(f"verdict (run start -> leaderboard row, {v.get('n')} images), s: {json.dumps(v.get('summary'))}")
+        for lay in v.get("warm_layouts", []):
+            w, tl = lay.get("warm_engines") or {}, (lay.get("warm_engines") or {}).get("timeline_s") or {}
+            print(
+                f"  warm layout {lay['layout'].get('name')!s:>16}: service start {lay.get('service_start_s')} s,"
+                f" gate {tl.get('warm_gate_open')}, first caption {w.get('first_caption_after_s')},"
+                f" last {w.get('last_caption_after_s')}, row {w.get('leaderboard_row_after_s')} ({w.get('engines')})"
+                + (f" error: {w['error']}" if "error" in w else "")
+            )
     cols = [n for n in ("raw", "stage", "flow") if n in results and "error" not in results[n]]
     rows = [
         ("images/s (steady)", "images_per_s"),
