@@ -54,11 +54,9 @@ class EngineSettings:
         """The warm service's engines: these settings and how many long-lived replicas hold them - the run's own
         layout (``engines_per_gpu`` per GPU, each its own front end), since a warm run captions through them as
         fast as a cold run's engines would; front ends sharing an engine core are not something a replica can
-        hold, so with ``front_ends`` > 1 one engine per GPU. A replica renders its requests on its engine's front
-        end (``render_actors`` are a run's own actors; in a replica they would render on its event loop)."""
+        hold, so with ``front_ends`` > 1 one engine per GPU. With ``render_actors``, the service runs that many
+        renderers beside them (``engine_server.CaptionRenderer``), as a run runs render actors."""
         one = self.single_engine() if self.front_ends > 1 else self
-        if one.render_actors:
-            one = replace(one, render_actors=0)
         return one, max(1, one.concurrency)
 
     def single_engine(self) -> EngineSettings:

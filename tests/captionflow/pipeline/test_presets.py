@@ -51,8 +51,8 @@ def test_gpu_layout_shares_each_gpu_between_the_engines_that_feed_it(builtin_mod
     assert e.service_engines() == (e, 2 * e.engines_per_gpu)  # the warm service: the same engines, kept warm
     rendered = resolve_engine(RunConfig(gpu_memory_gib=80, render_actors=6), model, GPU, gpus=2, local_ray=True)
     assert rendered.render_actors == 6 and rendered.output_params() == e.output_params()  # the same captions
-    served, n = rendered.service_engines()  # a replica renders on its own front end: no render actors there
-    assert served.render_actors == 0 and n == 2 * e.engines_per_gpu and served.engine_kwargs == e.engine_kwargs
+    served, n = rendered.service_engines()  # the service runs as many renderers beside its engines
+    assert served.render_actors == 6 and n == 2 * e.engines_per_gpu and served.engine_kwargs == e.engine_kwargs
     one = e.single_engine()  # one engine owns its GPU
     assert one.engines_per_gpu == 1 and one.gpu_share == 1.0 and one.concurrency == 2 and one.mps == "off"
     assert "kv_cache_memory_bytes" not in one.engine_kwargs  # alone on its GPU, it sizes its KV cache itself
