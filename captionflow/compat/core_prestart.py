@@ -83,7 +83,19 @@ def _wait_for_core(receive) -> None:
     os.environ.clear()
     os.environ.update(env)
     multiprocessing.current_process().name = name
+    _before_core()
     target(*args, **kwargs)
+
+
+def _before_core() -> None:
+    """What the core's process sets up in vLLM before the core starts (its environment is the front end's now)."""
+    from captionflow.compat import sampler_warmup
+
+    try:
+        if sampler_warmup.install():
+            worker_log.say("engine core: the warm-up samples with the run's sampling settings")
+    except Exception as e:  # vLLM's own warm-up then: slower on an empty Triton cache, never wrong
+        worker_log.say(f"engine core: vLLM's own sampler warm-up ({e!r})")
 
 
 def _deliver(send, work: bytes) -> None:

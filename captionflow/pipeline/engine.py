@@ -257,8 +257,11 @@ def engine_env(cfg: RunConfig) -> dict[str, str]:
     to ``compile_cache_dir`` when it is set, so that a fresh node finds them there.
     ``mm_tensor_ipc: torch_shm`` in ``engine_kwargs`` is refused by vLLM's config check unless the start method
     is said to be ``spawn``: what vLLM uses from a Ray actor anyway (the shared-core host of ``front_ends``,
-    not a Ray actor, forks otherwise, so it is said only then)."""
-    env = {}
+    not a Ray actor, forks otherwise, so it is said only then). The engines' warm-up samples with the run's
+    sampling settings (``compat/sampler_warmup``): only the sampler kernels its requests run are compiled at start."""
+    from captionflow.compat import sampler_warmup
+
+    env = sampler_warmup.environment({"temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed})
     if (cfg.engine_kwargs or {}).get("mm_tensor_ipc") == "torch_shm":
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     if cfg.compile_cache_dir:

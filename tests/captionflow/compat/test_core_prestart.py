@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(prestarted: bool, cwd) -> dict:
+def _run(prestarted: bool, cwd, env: dict[str, str] | None = None) -> dict:
     root = Path(__file__).resolve().parents[3]
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, "1" if prestarted else "0"],
@@ -56,7 +56,7 @@ def _run(prestarted: bool, cwd) -> dict:
         text=True,
         timeout=600,
         cwd=str(cwd),
-        env={**os.environ, "PYTHONPATH": str(root)},
+        env={**os.environ, "PYTHONPATH": str(root), **(env or {})},
     )
     assert done.returncode == 0, done.stderr[-4000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
@@ -64,8 +64,14 @@ def _run(prestarted: bool, cwd) -> dict:
 
 
 def test_the_engine_core_runs_in_the_process_prestarted_for_it_and_answers_as_vllms_own(builtin_model_dir, tmp_path):
-    own, ours = _run(prestarted=False, cwd=tmp_path), _run(prestarted=True, cwd=tmp_path)
+    from captionflow.compat import sampler_warmup
+
+    # the front end's environment asks for a warm-up with its requests' sampling settings (compat/sampler_warmup):
+    # the prestarted core sets that up before it starts
+    warmup = sampler_warmup.environment({"temperature": 0.0, "top_p": 1.0, "seed": None})
+    own, ours = _run(prestarted=False, cwd=tmp_path), _run(prestarted=True, cwd=tmp_path, env=warmup)
     assert ours["children"] == [ours["prestarted"]]  # the one core process is the prestarted one
+    assert "the warm-up samples with the run's sampling settings" in ours["log"]
     assert len(own["children"]) == 1  # vLLM's own: one core, spawned when the front end asked for it
     assert "runs in the process prestarted for it" in ours["log"]
     assert ours["tokens"] == own["tokens"] and len(ours["tokens"]) == 12  # greedy: the same answer
