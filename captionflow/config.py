@@ -124,8 +124,9 @@ class RunConfig(BaseModel):
         le=64,
         title="Request renderers",
         description="CPU actors that render each request for the engine (tokenising, the model's image processor) "
-        "before the engine stage, so that an engine's front end only forwards what they made; 0: every engine's "
-        "front end renders its own requests. Default: the preset's (docs/sizing.md).",
+        "before the engine stage, so that an engine's front end only forwards what they made (the warm engine "
+        "service runs as many renderers beside its engines); 0: every engine's front end renders its own requests. "
+        "Default: the preset's (docs/sizing.md).",
     )
     gpu_memory_gib: Optional[float] = Field(
         None,
