@@ -284,14 +284,11 @@ _STATS = re.compile(
 )
 
 
-def engine_load(t10: float, t90: float, max_tokens: int, ray_tmp: str = "/tmp/ray") -> dict | None:
-    """What each engine core did between 10% and 90% of the results, from vLLM's own statistics lines
-    (``--engine-stats``: one a second per engine): requests running and waiting (median), the share of
-    seconds with none waiting (the engine starved: whatever feeds it is slower), and its generation
-    rate in images/s (output tokens / ``max_tokens`` over the window; a line covers one second). None without
-    such lines."""
+def engine_stats(t_from: float, t_to: float, ray_tmp: str = "/tmp/ray") -> dict[str, list[tuple]]:
+    """vLLM's statistics lines (``--engine-stats``: one a second per busy engine) stamped from ``t_from`` to
+    ``t_to``, by worker log (one per engine): (time, generated tokens/s, running, waiting) each."""
     year = time.localtime().tm_year
-    per_engine = []
+    out = {}
     for f in _worker_logs(ray_tmp):
         rows = []
         with open(f, errors="replace") as fh:
@@ -300,20 +297,31 @@ def engine_load(t10: float, t90: float, max_tokens: int, ray_tmp: str = "/tmp/ra
                 if not m:
                     continue
                 t = time.mktime(time.strptime(f"{year}-{m[1]}-{m[2]} {m[3]}", "%Y-%m-%d %H:%M:%S"))
-                if t10 - 1 <= t <= t90:
-                    rows.append((float(m[5]), int(m[6]), int(m[7])))
+                if t_from <= t <= t_to:
+                    rows.append((t, float(m[5]), int(m[6]), int(m[7])))
         if rows:
-            per_engine.append(
-                {
-                    "log": f.name,
-                    "seconds": len(rows),
-                    "running_median": statistics.median([r[1] for r in rows]),
-                    "waiting_median": statistics.median([r[2] for r in rows]),
-                    "none_waiting_share": round(sum(r[2] == 0 for r in rows) / len(rows), 2),
-                    # tokens over the window, not per line: an idle engine logs no line
-                    "images_per_s": round(sum(r[0] for r in rows) / max(t90 - t10, 1) / max(max_tokens, 1), 1),
-                }
-            )
+            out[f.name] = rows
+    return out
+
+
+def engine_load(t10: float, t90: float, max_tokens: int, ray_tmp: str = "/tmp/ray") -> dict | None:
+    """What each engine core did between 10% and 90% of the results, from vLLM's own statistics lines
+    (``--engine-stats``: one a second per engine): requests running and waiting (median), the share of
+    seconds with none waiting (the engine starved: whatever feeds it is slower), and its generation
+    rate in images/s (output tokens / ``max_tokens`` over the window; a line covers one second). None without
+    such lines."""
+    per_engine = [
+        {
+            "log": name,
+            "seconds": len(rows),
+            "running_median": statistics.median([r[2] for r in rows]),
+            "waiting_median": statistics.median([r[3] for r in rows]),
+            "none_waiting_share": round(sum(r[3] == 0 for r in rows) / len(rows), 2),
+            # tokens over the window, not per line: an idle engine logs no line
+            "images_per_s": round(sum(r[1] for r in rows) / max(t90 - t10, 1) / max(max_tokens, 1), 1),
+        }
+        for name, rows in engine_stats(t10 - 1, t90, ray_tmp).items()
+    ]
     if not per_engine:
         return None
     return {"engines": per_engine, "images_per_s": round(sum(e["images_per_s"] for e in per_engine), 1)}
@@ -736,23 +744,12 @@ def per_second(stamps: list[tuple[float, int]], t0: float) -> list[int]:
 
 
 def engine_seconds(t0: float, t1: float, ray_tmp: str = "/tmp/ray") -> list[dict]:
-    """vLLM's statistics lines (``--engine-stats``: one a second per busy engine) between ``t0`` and ``t1``, per
-    engine: [seconds after t0, running, waiting, generated tokens/s] each."""
-    year = time.localtime().tm_year
-    out = []
-    for f in _worker_logs(ray_tmp):
-        rows = []
-        with open(f, errors="replace") as fh:
-            for line in fh:
-                m = _STATS.search(line)
-                if not m:
-                    continue
-                t = time.mktime(time.strptime(f"{year}-{m[1]}-{m[2]} {m[3]}", "%Y-%m-%d %H:%M:%S"))
-                if t0 - 1 <= t <= t1 + 1:
-                    rows.append([round(t - t0), int(m[6]), int(m[7]), round(float(m[5]))])
-        if rows:
-            out.append({"log": f.name, "seconds": rows})
-    return out
+    """``engine_stats`` over a run (``t0`` to ``t1``), per engine: [seconds after t0, running, waiting, generated
+    tokens/s] each. The lines come in bursts (several stamped with one second): read them for the counts."""
+    return [
+        {"log": name, "seconds": [[round(t - t0), running, waiting, round(tps)] for t, tps, running, waiting in rows]}
+        for name, rows in engine_stats(t0 - 1, t1 + 1, ray_tmp).items()
+    ]
 
 
 # what a run's log says, by the first line that says it (Prefect's console lines carry the local time of day,
