@@ -576,8 +576,12 @@ def _swap(model: ResolvedModel, apps: list[str]) -> dict[str, str]:
 def _replace_all(model: ResolvedModel, settings: EngineSettings, old: list[str], new: list[str]) -> list[str]:
     from ray import serve
 
-    for app in set(old) - set(new):  # fewer engines now: the others go
-        serve.delete(app)
+    gone = set(old) - set(new)  # fewer engines now: the others go, and the renderers if these settings have none
+    for app in sorted(gone) + ([] if settings.render_actors else [RENDER_APP]):
+        try:
+            serve.delete(app)
+        except Exception:  # not there
+            pass
     _deploy(model, settings, new, renderers=True)  # the renderers too: another tokenizer or image processor
     return new
 
