@@ -72,6 +72,8 @@ def test_the_engine_core_runs_in_the_process_prestarted_for_it_and_answers_as_vl
     own, ours = _run(prestarted=False, cwd=tmp_path), _run(prestarted=True, cwd=tmp_path, env=warmup)
     assert ours["children"] == [ours["prestarted"]]  # the one core process is the prestarted one
     assert "the warm-up samples with the run's sampling settings" in ours["log"]
+    # the model's HF processor is loaded into vLLM's caches alongside the model, before the scheduler asks for it
+    assert "the multimodal processor was built ahead in" in ours["log"]
     assert len(own["children"]) == 1  # vLLM's own: one core, spawned when the front end asked for it
     assert "runs in the process prestarted for it" in ours["log"]
     assert ours["tokens"] == own["tokens"] and len(ours["tokens"]) == 12  # greedy: the same answer
