@@ -255,7 +255,7 @@ def engine_accepting_times(since: float, ray_tmp: str = "/tmp/ray") -> list[floa
 _ENGINE_LOG = re.compile(
     r"init engine|Available KV|GPU KV cache|Maximum concurrency|Avg prompt throughput|"
     r"Elapsed time for batch|max_num_batched_tokens|Model loading took|HF processor|render stage|warm-up samples|"
-    r"sampler warm-up|Error|error"
+    r"sampler warm-up|built ahead|Error|error"
 )
 
 
