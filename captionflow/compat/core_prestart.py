@@ -99,16 +99,34 @@ def _before_core(vllm_config) -> None:
         worker_log.say(f"engine core: vLLM's own sampler warm-up ({e!r})")
     model_config = getattr(vllm_config, "model_config", None)
     if getattr(model_config, "is_multimodal_model", False):
+        _build_processor_after_loading(model_config)
+
+
+def _build_processor_after_loading(model_config) -> None:
+    """Once the core has loaded the model, load its HF processor (and tokenizer) into vLLM's caches in a thread while
+    the core profiles, sizes its KV cache, captures CUDA graphs and warms up.
+
+    The core's scheduler builds the multimodal processor after all that (vLLM 0.26: 2-4 s at the end of a cold
+    engine's start on the H100 host); its loads go through vLLM's ``lru_cache``s (``cached_tokenizer_from_config``,
+    ``cached_processor_from_config``), which the thread fills beforehand with the same arguments. The thread starts
+    only once the model is loaded: the model's modules, imported meanwhile by the core, import each other in cycles
+    that a second importing thread can break (an ImportError in the core, seen on the H100 host). A load still under
+    way when the scheduler asks is loaded again there, as without this; a failure in the thread is only logged."""
+    from vllm.v1.engine import core
+
+    initialize = getattr(core.EngineCore, "_initialize_kv_caches", None)
+    if initialize is None or getattr(initialize, "_captionflow_patched", False):
+        return
+
+    def initialize_kv_caches(self, *args, **kwargs):
         threading.Thread(target=_build_processor, args=(model_config,), name=PROCESSOR_THREAD, daemon=True).start()
+        return initialize(self, *args, **kwargs)
+
+    initialize_kv_caches._captionflow_patched = True
+    core.EngineCore._initialize_kv_caches = initialize_kv_caches
 
 
 def _build_processor(model_config) -> None:
-    """Load the model's HF processor (and tokenizer) into vLLM's caches while the core loads the model and warms up.
-
-    The core's scheduler builds the multimodal processor once the engine has warmed up (vLLM 0.26: 2-4 s on the H100
-    host, after the GPU work); its loads go through vLLM's ``lru_cache``s (``cached_tokenizer_from_config``,
-    ``cached_processor_from_config``), which this fills beforehand with the same arguments. A load still under way
-    when the scheduler asks is loaded again there, as without this; a failure here is the scheduler's to report."""
     import time
 
     started = time.monotonic()
