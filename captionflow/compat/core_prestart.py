@@ -30,8 +30,13 @@ CORE_TARGET = "run_engine_core"
 HANDOFF_THREAD = "captionflow-core-handoff"
 PROCESSOR_THREAD = "captionflow-core-processor"
 
+ENGINE_ACTOR = "MapBatches(vLLMEngineStageUDF)"  # in the name of Ray Data LLM's engine stage actor's tasks
+HANDOFF_WAIT_S = 300.0  # the longest a front end's background start-up work waits for its core's hand-off
+
 _lock = threading.Lock()
 _waiting: list[tuple[Any, Any]] = []  # (process, the pipe's sending end): at most one
+_prestarted = threading.Event()  # this process prestarted a core
+_handed_off = threading.Event()  # ... and the core has its work (or vLLM started its own, or the process exits)
 
 
 def prestart() -> None:
@@ -39,6 +44,7 @@ def prestart() -> None:
     with _lock:
         if _waiting:
             return
+        _prestarted.set()
         ctx = multiprocessing.get_context("spawn")
         receive, send = ctx.Pipe(duplex=False)
         process = ctx.Process(target=_wait_for_core, args=(receive,), name="EngineCore")
@@ -48,8 +54,43 @@ def prestart() -> None:
     atexit.register(_dismiss)
 
 
+def prestart_in_engine_actor() -> bool:
+    """``prestart`` where this process is Ray Data LLM's own engine stage actor (its creation task's name says so).
+
+    Called as the actor imports Ray Data LLM's engine stage module, which imports vLLM (~12 s on the H100 host)
+    before the stage's constructor runs: the core's process then imports vLLM alongside it instead of after it.
+    A subclass of the stage (an actor whose engine attaches to a core started elsewhere) has another name."""
+    try:
+        import ray
+
+        name = ray.get_runtime_context().get_task_name() if ray.is_initialized() else None
+    except Exception:  # not in a Ray worker as Ray 2.60 has it: the stage's constructor prestarts, as before
+        return False
+    if not name or ENGINE_ACTOR not in name:
+        return False
+    prestart()
+    return True
+
+
+def after_handoff(timeout: float = HANDOFF_WAIT_S) -> None:
+    """Return once this process's prestarted core has its work (at once where it prestarted none).
+
+    A front end's start-up work that can run in the background (tokenizer copies, the HF processor's pre-build)
+    waits here: before the hand-off it takes the GIL from the front end's own start-up (its configuration, its
+    renderer), which the hand-off waits for, and so delays the core's start; after it, the core loads the model and
+    warms up for far longer than that work takes."""
+    if _prestarted.is_set():
+        _handed_off.wait(timeout)
+
+
+def release() -> None:
+    """Nothing waits for a hand-off any more (the front end is up, or the core started another way)."""
+    _handed_off.set()
+
+
 def _dismiss() -> None:
     """At exit: an unused prestarted process is told to go (multiprocessing joins its children at exit)."""
+    release()
     with _lock:
         while _waiting:
             process, send = _waiting.pop()
@@ -175,11 +216,13 @@ class _Handoff:
             worker_log.say(f"engine core: the prestarted process was not used ({e!r}); starting one as vLLM does")
             self._process = self._ctx.Process(target=target, name=name, args=args, kwargs=kwargs)
             self._process.start()
+            release()
             return
         # Written by a thread: the process reads once its imports are done, and vLLM's own wait for its core (with
         # its time limit, watching the process) starts when this returns.
         handoff = threading.Thread(target=_deliver, args=(send, bytes(work)), name=HANDOFF_THREAD, daemon=True)
         handoff.start()
+        release()
         worker_log.say(f"engine core: runs in the process prestarted for it (pid {process.pid})")
 
     def __getattr__(self, attr):
@@ -203,6 +246,8 @@ class _PrestartingContext:
         )
         taken = _take() if usable else None
         if taken is None:
+            if getattr(target, "__name__", "") == CORE_TARGET:
+                release()  # the core starts as vLLM starts it
             return self._ctx.Process(group=group, target=target, name=name, args=args, kwargs=kwargs, daemon=daemon)
         return _Handoff(self._ctx, taken, target, name or "EngineCore", args, kwargs)
 

@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Any
 
+from captionflow.compat import core_prestart
 from captionflow.workers import worker_log
 
 FILL_THREAD = "captionflow-tokenizer-copies"
@@ -84,6 +85,7 @@ def _fill(source: Any, pool: queue.Queue, copies: int) -> None:
 
 
 def _work() -> None:
+    core_prestart.after_handoff()  # not while the front end starts its engine core
     while True:
         job = _jobs.get()
         try:

@@ -46,6 +46,7 @@ def start_warmup(renderer) -> threading.Thread | None:
         return None
 
     def run() -> None:
+        core_prestart.after_handoff()
         t0 = time.perf_counter()
         try:
             mm.info.get_hf_processor()  # what a request without mm_processor_kwargs asks for
@@ -117,6 +118,7 @@ def patch_async_llm(module) -> bool:
 def _accepting(llm) -> None:
     """The front end is up (its engine core ready): once its HF processor is pre-built and its tokenizer copies
     are made - what its first requests would otherwise wait for, or starve on - it says it accepts requests."""
+    core_prestart.release()
     _prebuilds_done()
     tokenizer_pool.filled()
     worker_log.say(f"{ACCEPTING} {time.time():.3f}")
@@ -175,9 +177,9 @@ def render_off_loop(cls) -> None:
 
 
 def patch_engine_stage(module) -> bool:
-    """Ray Data LLM's engine stage actor prestarts its engine core's process first thing, before it imports vLLM
-    (``core_prestart``); a UDF class that attaches to a core started elsewhere says so with
-    ``captionflow_own_core = False``."""
+    """Ray Data LLM's engine stage actor prestarts its engine core's process (``core_prestart``) as it imports the
+    stage's module, before vLLM (``BEFORE_IMPORT``), or else first thing in the stage's constructor; a UDF class that
+    attaches to a core started elsewhere says so with ``captionflow_own_core = False``."""
     cls = getattr(module, "vLLMEngineStageUDF", None)
     if cls is not None and not getattr(cls, "_captionflow_patched", False):
         _wrap_init(cls, before=_prestart_own_core)
@@ -190,6 +192,8 @@ def _prestart_own_core(udf) -> None:
 
 
 ACCEPTING = "vLLM engine accepting requests at"
+# run as the module is imported, before its code: Ray Data LLM's engine stage module imports vLLM
+BEFORE_IMPORT = {"ray.llm._internal.batch.stages.vllm_engine_stage": core_prestart.prestart_in_engine_actor}
 PATCHES = {
     "vllm.v1.engine.input_processor": patch_input_processor,
     "vllm.v1.engine.async_llm": patch_async_llm,
@@ -218,6 +222,12 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         exec_module = spec.loader.exec_module
 
         def exec_and_patch(module):
+            before = BEFORE_IMPORT.get(name)
+            try:
+                if before is not None:
+                    before()
+            except Exception as e:  # the module's own patch (PATCHES) still runs
+                worker_log.say(f"{name}: what runs before it failed ({e!r})")
             exec_module(module)
             if not PATCHES[name](module):
                 worker_log.say(f"{name} lacks the class captionflow patches; left as it is")

@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 SCRIPT = textwrap.dedent("""
-    import asyncio, json, os, sys
+    import asyncio, json, os, sys, threading
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     from captionflow.compat import core_prestart, vllm_warmup
     vllm_warmup.install()
@@ -18,6 +18,11 @@ SCRIPT = textwrap.dedent("""
     if prestarted:
         core_prestart.prestart()
         waiting = core_prestart._waiting[0][0].pid
+    # background start-up work of the front end (tokenizer copies, the processor's pre-build) waits here
+    gate = threading.Thread(target=core_prestart.after_handoff, daemon=True)
+    gate.start()
+    gate.join(2)
+    gate_waited = gate.is_alive()
     import psutil
     from PIL import Image
     from captionflow.builtin.model import ensure_builtin_model
@@ -34,6 +39,7 @@ SCRIPT = textwrap.dedent("""
 
     async def main():
         llm = AsyncLLM.from_engine_args(args)
+        gate.join(60)
         # this process's children but multiprocessing's resource tracker: the engine core
         children = [p.pid for p in psutil.Process().children() if "resource_tracker" not in " ".join(p.cmdline())]
         request = {"prompt": prompt, "multi_modal_data": {"image": Image.new("RGB", (320, 240), (200, 30, 30))}}
@@ -43,7 +49,8 @@ SCRIPT = textwrap.dedent("""
         return children, list(out.outputs[0].token_ids)
 
     children, tokens = asyncio.run(main())
-    print("RESULT " + json.dumps({"children": children, "tokens": tokens,
+    print("RESULT " + json.dumps({"children": children, "tokens": tokens, "gate_waited": gate_waited,
+                                   "gate_open": not gate.is_alive(),
                                    "prestarted": waiting if prestarted else None}))
 """)
 
@@ -78,3 +85,48 @@ def test_the_engine_core_runs_in_the_process_prestarted_for_it_and_answers_as_vl
     assert "runs in the process prestarted for it" in ours["log"]
     assert ours["tokens"] == own["tokens"] and len(ours["tokens"]) == 12  # greedy: the same answer
     assert "runs in the process prestarted for it" not in own["log"]
+    # the front end's background start-up work waited for the hand-off where a core was prestarted, else not at all
+    assert ours["gate_waited"] and ours["gate_open"]
+    assert not own["gate_waited"] and own["gate_open"]
+
+
+ACTOR_SCRIPT = textwrap.dedent("""
+    import json
+    import ray
+    from captionflow.compat import core_prestart
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    driver = core_prestart.prestart_in_engine_actor()
+
+    class vLLMEngineStageUDF:  # named as Ray Data LLM's own engine stage
+        def __init__(self):
+            from captionflow.compat import core_prestart
+
+            calls = []
+            core_prestart.prestart = lambda: calls.append(1)  # what it would spawn: not this test's concern
+            self.result = [core_prestart.prestart_in_engine_actor(), len(calls)]
+
+        def __call__(self, batch):
+            batch["result"] = [json.dumps(self.result)] * len(batch["id"])
+            return batch
+
+    class SharedCoreEngineUDF(vLLMEngineStageUDF):  # a stage whose engine attaches to a core started elsewhere
+        pass
+
+    got = {}
+    for udf in (vLLMEngineStageUDF, SharedCoreEngineUDF):
+        rows = ray.data.range(2).map_batches(udf, concurrency=1, batch_size=2).take_all()
+        got[udf.__name__] = json.loads(rows[0]["result"])
+    print("RESULT " + json.dumps({"driver": driver, **got}))
+""")
+
+
+def test_only_ray_data_llms_own_engine_stage_actor_prestarts_its_core_as_it_imports_the_stage(tmp_path):
+    """Real Ray Data: an actor knows it is Ray Data LLM's engine stage by its creation task's name, before the
+    stage's module (and vLLM) is imported; the driver and other stages' actors prestart nothing."""
+    from tests.support.fresh_python import run_script
+
+    _, r = run_script(ACTOR_SCRIPT, tmp_path)
+    assert r["driver"] is False
+    assert r["vLLMEngineStageUDF"] == [True, 1]
+    assert r["SharedCoreEngineUDF"] == [False, 0]
