@@ -86,12 +86,12 @@ class CaptionRenderer:
     def render_rows(self, rows: list[dict[str, Any]]) -> list[Optional[dict[str, bytes]]]:
         """Each row's ``multimodal_data`` rendered (None for a row that cannot be: its front end renders it, and says
         why it cannot)."""
-        from captionflow.workers.rendered_requests import render
+        from captionflow.workers.rendered_requests import render_row
 
         out: list[Optional[dict[str, bytes]]] = []
         for row in rows:
             try:
-                out.append(render(self.renderer, row["prompt"], row["multimodal_data"]["image"]))
+                out.append(render_row(self.renderer, row))
             except Exception:
                 out.append(None)
         return out

@@ -19,7 +19,7 @@ from ray.llm._internal.batch.stages.base import StatefulStage, StatefulStageUDF
 
 from captionflow.compat.vllm_warmup import processor_ready
 from captionflow.pipeline.engine import EngineSettings
-from captionflow.workers.rendered_requests import RENDERED, build_renderer, render
+from captionflow.workers.rendered_requests import RENDERED, build_renderer, render_row
 from captionflow.workers.worker_log import say
 
 READY = "render stage: renderer ready"
@@ -37,7 +37,7 @@ class RenderStageUDF(StatefulStageUDF):
         for row in batch:
             out: dict[str, Any] = {self.IDX_IN_BATCH_COLUMN: row[self.IDX_IN_BATCH_COLUMN]}
             try:
-                out["multimodal_data"] = render(self.renderer, row["prompt"], row["multimodal_data"]["image"])
+                out["multimodal_data"] = render_row(self.renderer, row)
             except Exception as e:  # this row only: the rest of the batch goes on
                 out["multimodal_data"] = {RENDERED: b""}  # one type for the column
                 out["__inference_error__"] = f"rendering the request for the engine failed: {e!r}"[:2000]

@@ -49,6 +49,12 @@ def render(renderer, prompt: str, image) -> dict[str, bytes]:
     return {RENDERED: pickle.dumps(engine_input, protocol=pickle.HIGHEST_PROTOCOL)}
 
 
+def render_row(renderer, row: dict[str, Any]) -> dict[str, bytes]:
+    """``render`` of a request row as the run's preprocess makes it (its ``prompt``, its ``multimodal_data`` image):
+    the row's ``multimodal_data`` for the engine. Raises what rendering raised."""
+    return render(renderer, row["prompt"], row["multimodal_data"]["image"])
+
+
 def rendered_input(prompt: Any) -> dict | None:
     """The rendered input a prompt from Ray Data LLM carries (None: a prompt to render as usual). It arrives now."""
     mm = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
