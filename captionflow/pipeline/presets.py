@@ -82,7 +82,10 @@ GPU = Preset(
     name="gpu",
     batch_size=32,
     concurrency=1,
-    max_concurrent_batches=16,
+    # 48 batches of 32: 1,536 rows in each engine, 512 running and 1,024 waiting (processor.max_pending_requests).
+    # Every caption has the same length, so an engine's requests finish in waves; with 512 it ran empty after each
+    # wave until the next rows had come through the pipeline and its front end (docs/sizing.md)
+    max_concurrent_batches=48,
     max_num_seqs=512,
     max_model_len=4096,
     max_pixels=448 * 448,
@@ -119,7 +122,7 @@ GPU = Preset(
     max_engines_per_gpu=4,
     kv_cache_bytes=4 * 2**30,  # each engine's when several share a GPU (engines_per_gpu > 1)
     engine_overhead_bytes=4 * 2**30,
-    max_tasks_in_flight_per_actor=32,  # 16 batches of 32 in flight, 16 more queued behind them
+    max_tasks_in_flight_per_actor=48,  # the backlog waits in the engine, already processed (not in the actor)
     renderer_workers=0,
 )
 PRESETS = {"cpu": CPU, "gpu": GPU}

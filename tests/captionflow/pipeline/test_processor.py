@@ -121,6 +121,8 @@ def test_every_row_an_engine_actor_holds_may_wait_in_its_engine(builtin_model_di
     assert max_pending_requests(deep) == 32  # 8 batches of 4 rows, more than Ray Data LLM's 1.1 x 16
     processor = _caption_processor(deep, model)
     assert processor.stages["vLLMEngineStage"].fn_constructor_kwargs["max_pending_requests"] == 32
-    # the presets hold no more rows per actor than Ray's own limit lets in: Ray's limit stays
+    # the CPU preset holds no more rows per actor than Ray's own limit lets in: Ray's limit stays
     assert max_pending_requests(resolve_engine(RunConfig(device="cpu"), model, CPU)) is None
-    assert max_pending_requests(resolve_engine(RunConfig(device="gpu", gpu_memory_gib=80), model, GPU, gpus=1)) is None
+    # the GPU preset's engines each hold a wave running and two more waiting, processed (docs/sizing.md)
+    gpu = resolve_engine(RunConfig(device="gpu", gpu_memory_gib=80), model, GPU, gpus=1)
+    assert max_pending_requests(gpu) == 3 * int(gpu.engine_kwargs["max_num_seqs"]) == 1536
