@@ -38,9 +38,10 @@ utilisation and memory through NVML. Throughput is reported two ways:
 ``ratios`` (the headline) are steady ratios; ``ratios_wall`` include start-up; ``per_gpu_vs_seed``
 is each phase's steady images/s per GPU over the seeds' 6.3. ``gpu_trace`` keeps each phase's GPU
 busy %, GPU memory and host CPU busy % second by second. Each verdict run keeps ``timeline_s`` (when its log
-first says each step: flow begins, checkpoint in the warm engines, dataset starts, warm stage up and its gate
-open, first batch back, first row in the driver, ...) and ``ray_data_progress`` (Ray Data's reports every 10 s
-of the captioning dataset: per operator rows done, tasks running and why more are held back, rows queued).
+first says each step: flow begins, checkpoint in the warm engines, dataset starts, a warm run's first request
+block built and its gate open, first block back, first row in the driver, ...) and ``ray_data_progress`` (Ray
+Data's reports every 10 s of the captioning dataset: per operator rows done, tasks running and why more are held
+back, rows queued).
 
     python bench/gpu_throughput.py                 # N=2000, 224x224, all three phases
     python bench/gpu_throughput.py --n 500 --phases raw,stage
@@ -702,6 +703,9 @@ def _flow_timed(a, name: str, images: str, model: str, engine_kwargs: str, env: 
     summary = Path(a.work) / f"verdict-{name}-summary.json"
     cmd = flow_command(a, images, out, model, summary, engine_kwargs) + ["--compile-cache-dir", env["CF_BENCH_CC"]]
     log = Path(a.work) / f"phase-verdict-{name}.log"
+    if os.environ.get("CF_BENCH_PYSPY"):  # py-spy of the run's driver (wall clock, idle threads too), raw stacks
+        spy = [os.environ["CF_BENCH_PYSPY"], "record", "--idle", "--threads", "-r", "100", "-f", "raw"]
+        cmd = spy + ["-o", str(Path(a.work) / f"pyspy-verdict-{name}.txt"), "--"] + cmd
     t0 = time.time()
     with open(log, "w") as fh:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=a.phase_timeout)
@@ -759,13 +763,14 @@ DAY_TIME = r"^(\d\d:\d\d:\d\d\.\d+) \| INFO "  # Prefect
 DATE_TIME = r"^\S* ?(\d\d\d\d-\d\d-\d\d \d\d:\d\d:\d\d,\d+)\s+INFO "  # Ray
 TIMELINE = {
     "flow_begins": re.compile(DAY_TIME + r".*Beginning flow run"),
+    "preflight_done": re.compile(DAY_TIME + r".*Task run 'preflight-.*Finished"),
     "preprocess_done": re.compile(DAY_TIME + r".*Task run 'preprocess-.*Finished"),
     "warm_engines_loaded": re.compile(DAY_TIME + r".*warm engines: .* loaded into .* and checked"),
     "dataset_starts": re.compile(DATE_TIME + r".*Starting execution of Dataset"),
-    # a warm run's engine stage (pipeline/warm_stage.py: READY, FIRST_BACK)
-    "warm_stage_ready": re.compile(DAY_TIME + r".*warm stage: handles to"),
-    "warm_gate_open": re.compile(DAY_TIME + r".*warm stage: the run's checkpoint is in the engines"),
-    "warm_first_batch_back": re.compile(DAY_TIME + r".*warm stage: first batch back"),
+    # a warm run's driver handing its requests to the service (pipeline/warm_feed.py: GATE, FIRST_BACK)
+    "warm_first_block_built": re.compile(DAY_TIME + r".*warm engines: first block of requests built"),
+    "warm_gate_open": re.compile(DAY_TIME + r".*warm engines: the run's checkpoint is in the engines"),
+    "warm_first_batch_back": re.compile(DAY_TIME + r".*warm engines: first block back"),
     "first_row_in_driver": re.compile(DAY_TIME + r".*inference: captioned \d+/"),
     "dataset_ends": re.compile(DATE_TIME + r".*Dataset .* execution finished"),
     "flow_ends": re.compile(DAY_TIME + r".*Flow run .* Finished in state"),

@@ -53,9 +53,10 @@ def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
     """``prewarm_imports``: on a Ray cluster (a warm engine service's included) and on a local GPU, the inference
     stage's imports start in the background meanwhile (``compat.driver_imports.prewarm``): its engines start only
     after them (on the 2-core CPU VM every core is busy with the run's first stages: no gain, so not there); on a
-    cluster, idle workers of the run's job import what its pipeline's first tasks import (``worker_prewarm``). On a
-    local Ray, vLLM's inspection of the model class starts in a background process when it is not cached yet
-    (``compat.vllm_modelinfo``)."""
+    cluster, idle workers of the run's job import what its pipeline's first tasks import (``worker_prewarm``), and a
+    warm engine service that no other run holds is taken for this run and starts loading its checkpoint
+    (``service.start_early``). On a local Ray, vLLM's inspection of the model class starts in a background process
+    when it is not cached yet (``compat.vllm_modelinfo``)."""
     check_output(cfg.output)
     check_dataset(cfg.dataset)
     model = resolve_model(cfg.model, dummy_weights=cfg.dummy_weights())
@@ -81,6 +82,10 @@ def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
     if local:  # vLLM's inspection of the model class, cached while the run's first stages run (its engines ask)
         for architecture in {m.architecture for m in (model, judge) if m}:
             prefetch_model_info(architecture, engine_env(cfg))
+    elif prewarm_imports:  # every check passed: a warm engine service starts loading the checkpoint now
+        from captionflow.pipeline import service
+
+        service.start_early(cfg, model, engine)
     return PreflightResult(model=model, judge=judge, engine=engine, judge_engine=judge_engine, clip=clip)
 
 

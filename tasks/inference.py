@@ -102,6 +102,15 @@ class ProgressArtifact:
                 )
 
 
+def release_early_hold(task, task_run, state) -> None:
+    """A hold on the warm engines that preflight took for this run and this stage did not use (its result was
+    cached, or it failed before) goes back now, not when it lapses."""
+    from captionflow.lease import _default_owner
+    from captionflow.pipeline import service
+
+    service.end_early(_default_owner())
+
+
 @task(
     name="inference",
     timeout_seconds=TIMEOUT_S["inference"],
@@ -110,8 +119,8 @@ class ProgressArtifact:
     retry_condition_fn=retry_transient,
     cache_key_fn=validated("inference", _key, _missing),
     persist_result=True,
-    on_completion=[record_stage],
-    on_failure=[record_stage],
+    on_completion=[record_stage, release_early_hold],
+    on_failure=[record_stage, release_early_hold],
 )
 def inference_task(cfg: RunConfig, manifest: Manifest, checked: PreflightResult) -> InferenceResult:
     """Rows that still fail after every pass are counted (the next run's cache check sees them missing and

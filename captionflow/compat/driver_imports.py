@@ -11,8 +11,9 @@ asking where vLLM is installed) are not affected. A process that has vLLM import
 replica) is left as it is.
 Can go when Ray Data LLM imports vLLM's error classes where they are used, not when its stage module loads.
 
-``prewarm`` imports what building a run's pipeline imports (Ray Data, Ray Data LLM's processors, Ray Serve for a
-warm run) in a background thread while the run's first stages run: on a warm run it was most of the ~2 s
+``prewarm`` imports what building a run's pipeline imports (Ray Serve first for a warm run, whose checkpoint starts
+loading into the service's engines as preflight ends; Ray Data, Ray Data LLM's processors) in a background thread
+while the run's first stages run: on a warm run it was most of the ~2 s
 between the cached preprocess and the dataset's start on the critical path (py-spy of the driver on the 2-core
 VM: the processor's imports ~3/4 of it, Ray Data's first context most of the rest).
 """
@@ -76,13 +77,13 @@ _install()  # now, while this process is most likely importing on one thread onl
 def _imports(serve: bool) -> None:
     try:
         with without_vllm():
+            if serve:  # first: a warm engine service starts loading the run's checkpoint as preflight ends
+                import ray.serve
             import ray.data
             import ray.data.llm  # the processors and their stages
             from ray.llm._internal.batch.processor.base import Processor  # noqa: F401
 
             ray.data.DataContext.get_current()
-            if serve:
-                import ray.serve
     except Exception as e:  # the stage imports them itself, and says what fails there
         log.debug("prewarming the driver's imports failed: %s", e)
 

@@ -7,8 +7,8 @@ of request rows then goes through them exactly as Ray Data would send it through
 so a warm run's captions equal a cold run's, while nothing is imported, loaded or compiled again. It outlives
 runs (``pipeline/service.py``) and swaps checkpoints of the same architecture in place with vLLM's
 ``reload_weights``; ``weights_digest`` reads back a slice of the loaded embedding so a swap is checked
-against the checkpoint's file before use. Every row it returns carries the fingerprint of the checkpoint
-that produced it (``served_by``).
+against the checkpoint's file before use. A run hands it its request rows a block at a time (``caption_block``;
+``warm_feed.py``). Every row it returns carries the fingerprint of the checkpoint that produced it (``served_by``).
 
 With ``render_actors``, the service also runs that many ``CaptionRenderer`` replicas (CPU processes, each with
 vLLM's renderer built from the engines' own arguments once, as a run's render stage has): an engine hands each
@@ -25,11 +25,12 @@ import os
 import time
 from typing import Any, Optional
 
-DATA = "__data"
+DATA = "__data"  # Ray Data LLM's Processor.DATA_COLUMN
+PAYLOAD = ("multimodal_data", "prompt")  # what a run does not need back
 RENDERER = "caption-renderer"  # the renderers' deployment, in the application service.RENDER_APP
 DIGEST_ROWS = 64  # embedding rows compared after a swap
-# Testing hook: seconds each swap takes longer (set in the service's environment), so that a run's warm stage is
-# up while its checkpoint is still being swapped in.
+# Testing hook: seconds each swap takes longer (set in the service's environment), so that a run's first requests
+# are built while its checkpoint is still being swapped in.
 SWAP_DELAY_ENV = "CAPTIONFLOW_INJECT_SWAP_DELAY_S"
 
 
@@ -145,21 +146,25 @@ class CaptionEngine:
         self.rendered += sum(m is not None for m in got)
         return [r if m is None else {**r, "multimodal_data": m} for r, m in zip(rows, got)]
 
-    async def caption_batch(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Request rows (what a run's preprocess gives) through every stage; what the stages added to each row
-        (the engine's outputs, an error), in the order given. The run's engine stage merges them into the rows
-        it holds (Ray Data LLM's stage contract), so the columns it sent - the image among them - do not
-        travel back."""
+    async def caption_block(self, blocks: list) -> list[dict[str, Any]]:
+        """A block of a run's request rows (``blocks``: its object reference, in a list so that it reaches this
+        method unresolved and is read here from the object store, not through the run's driver) through every
+        stage, as Ray Data would give it to a cold run's engine stage; the rows as the stages leave them, in the
+        order given, without the requests' images and prompts, each with ``served_by``: the checkpoint that
+        served it."""
+        from ray.data.block import BlockAccessor
+
         served_by = self.model_fingerprint
-        sent = set().union(*(r.keys() for r in rows)) if rows else set()
+        block = await blocks[0]
+        rows = BlockAccessor.for_block(block).to_batch_format("default")[DATA].tolist()
         if self.render_app and rows:
             rows = await self._render(rows)
         for udf in self.udfs:
             async for out in udf({DATA: rows}):
                 rows = out[DATA]
-        added = [{**{k: v for k, v in row.items() if k not in sent}, "served_by": served_by} for row in rows]
-        self.rows += len(added)
-        return added
+        done = [{**{k: v for k, v in row.items() if k not in PAYLOAD}, "served_by": served_by} for row in rows]
+        self.rows += len(done)
+        return done
 
     async def reload(self, model_path: str, model_fingerprint: str) -> float:
         """Load another checkpoint of the same architecture into the running engine; returns the seconds."""

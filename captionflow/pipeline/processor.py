@@ -141,7 +141,7 @@ def build_vlm_processor(
     )
     map_kwargs = map_task_kwargs(preset)
     with keep_sigterm(), without_vllm():  # building a processor calls ray.init again; no vLLM in the driver
-        if warm is not None:  # the same settings; the stages run warm in the service's replica (warm_stage.py)
+        if warm is not None:  # the same settings; the stages run warm in the service's replica (warm_feed.py)
             return _warm_processor(config, warm, engine, preprocess, postprocess, map_kwargs)
         processor = build_processor(
             config,
@@ -162,30 +162,16 @@ def build_vlm_processor(
 
 
 def _warm_processor(config, warm, engine: EngineSettings, preprocess, postprocess, map_kwargs: dict):
-    """A Ray Data LLM Processor whose one stage hands the request rows to the warm engine service."""
+    """A Ray Data LLM Processor without an engine stage: its preprocess builds the request rows in the run's
+    tasks, and the driver hands them to the warm engine service's replicas, which run the engine stage
+    (``warm_feed.py``); the processor's postprocess then runs on the rows they return."""
+    import functools
+
     import ray.data
     from ray.llm._internal.batch.processor.base import Processor
 
-    from captionflow.pipeline.warm_stage import WarmEngineStage
+    from captionflow.pipeline.warm_feed import WarmRows
 
-    stage = WarmEngineStage(
-        fn_constructor_kwargs={
-            "app_names": warm.apps,
-            "deployment_name": warm.deployment,
-            "model_fingerprint": warm.model_fingerprint,
-            "token": warm.token,
-            "controller": warm.controller,
-            "wait_s": warm.wait_s,
-        },
-        map_batches_kwargs={
-            "zero_copy_batch": True,
-            "num_cpus": engine.preset.map_cpus,
-            "compute": ray.data.ActorPoolStrategy(size=1),
-            # as many batches in flight as the engines would each have in a cold run
-            "max_concurrency": engine.max_concurrent_batches * len(warm.apps),
-            "runtime_env": {"env_vars": dict(WORKER_ENV)},
-        },
-    )
     # The requests are built here, by the run, while the service's engines are up from the first second: no
     # backlog builds up while engines start, as in a cold run, so two tasks per engine build them
     # (docs/sizing.md).
@@ -193,11 +179,9 @@ def _warm_processor(config, warm, engine: EngineSettings, preprocess, postproces
         **map_kwargs,
         "compute": ray.data.TaskPoolStrategy(size=max(engine.preset.map_concurrency, 2 * len(warm.apps))),
     }
-    return Processor(
-        config,
-        [stage],
-        preprocess=preprocess,
-        postprocess=postprocess,
-        preprocess_map_kwargs=preprocess_kwargs,
-        postprocess_map_kwargs=map_kwargs,
+    processor = Processor(
+        config, [], preprocess=preprocess, postprocess=postprocess, preprocess_map_kwargs=preprocess_kwargs
     )
+    # as many blocks (of batch_size rows) in flight to each engine as a cold run's engine actor takes batches
+    rows = functools.partial(WarmRows, warm=warm, processor=processor, blocks_per_engine=engine.max_concurrent_batches)
+    return lambda ds: rows(ds.map(processor.preprocess, **processor.preprocess_map_kwargs))

@@ -9,9 +9,9 @@ whose one replica holds Ray Data LLM's own vLLM engine wrapper (``engine_server.
 application per engine so that a swap reaches, and a check covers, every engine by name - and a detached
 controller actor (``captionflow-service`` in namespace ``captionflow``) that knows what is loaded, hands the
 engine to one run at a time (a lease: a run waits, saying for whom), and gives the GPU back after
-``idle_timeout_s`` without a run. Runs stay Ray Data LLM pipelines: the processor is the one
-``build_processor`` makes, with its engine stage pointed at the service (``warm_stage.py``), so the rows
-and the engine code are the same as a run's own engine and the captions equal a cold run's.
+``idle_timeout_s`` without a run. A run builds its request rows with its Ray Data LLM processor's preprocess,
+as a cold run does, and its driver hands them to the engines a block at a time (``warm_feed.py``), where Ray
+Data LLM's own engine stage runs them: the rows and the engine code are a cold run's, and so are the captions.
 
 A run whose checkpoint has the loaded architecture and engine settings (``engine_spec``) has its weights
 loaded into every running engine at once (vLLM ``reload_weights``), each checked against the checkpoint's
@@ -30,6 +30,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -57,7 +58,7 @@ class ServiceError(CaptionflowError, RuntimeError):
     """The warm engine service is not there, or cannot serve this run."""
 
 
-# The files that decide how a request becomes tokens and pixels: what the warm stages load once.
+# The files that decide how a request becomes tokens and pixels: what the warm engines load once.
 PROCESSOR_FILES = (
     "tokenizer*",
     "vocab*",
@@ -72,7 +73,7 @@ PROCESSOR_FILES = (
 
 def engine_spec(model: ResolvedModel, engine: EngineSettings) -> str:
     """What two runs must share to use the same engine: the architecture (config.json, without names and
-    paths), the tokenizer, chat template and image processor (the warm stages load them once), and the
+    paths), the tokenizer, chat template and image processor (the warm engines load them once), and the
     engine arguments that can change a caption (``EngineSettings.output_params``: not memory, layout or
     where the compile cache lives). Checkpoints that differ only in weights share it."""
     root = Path(model.path)
@@ -90,6 +91,9 @@ def engine_spec(model: ResolvedModel, engine: EngineSettings) -> str:
 
 
 # ---------------------------------------------------------------- the controller (a detached Ray actor)
+LEASE_TTL_S = 30.0  # a run renews its hold every third of this; one that stops renewing has lost it after this
+
+
 class ServiceController:
     """What the service has loaded, who uses it now, and when it was last used."""
 
@@ -108,11 +112,6 @@ class ServiceController:
         }
         self.holder: Optional[dict[str, Any]] = None
         self._idle_task = None
-        # per run (its lease token): the engines, once its checkpoint is in every one and checked, or why not;
-        # the run's warm stage waits for one of them before it sends a row (wait_ready)
-        self.ready: dict[str, list[str]] = {}
-        self.failed: dict[str, str] = {}
-        self._changed: Any = None  # an asyncio.Event, made in the actor's event loop
 
     async def start_idle_timer(self) -> None:
         import asyncio
@@ -120,6 +119,7 @@ class ServiceController:
         async def watch() -> None:
             while not self.state["stopped"]:
                 await asyncio.sleep(min(10.0, max(self.idle_timeout_s / 4, 0.5)))
+                self._lapse()
                 idle = time.time() - self.state["last_used"]
                 if self.holder is None and self.idle_timeout_s and idle > self.idle_timeout_s:
                     await self.stop(f"idle for {idle:.0f} s")
@@ -127,24 +127,39 @@ class ServiceController:
         self._idle_task = asyncio.get_running_loop().create_task(watch())
 
     async def describe(self) -> dict[str, Any]:
+        self._lapse()
         return {**self.state, "holder": self.holder, "idle_timeout_s": self.idle_timeout_s}
 
-    async def try_acquire(self, owner: str) -> dict[str, Any]:
-        """{"token": ...} when granted, else {"holder": ...}."""
+    async def try_acquire(self, owner: str, ttl_s: float = LEASE_TTL_S) -> dict[str, Any]:
+        """{"token": ...} when granted, else {"holder": ...}. The hold lapses ``ttl_s`` after its last renewal."""
         if self.state["stopped"]:
             return {"stopped": True}
+        self._lapse()
         if self.holder is not None:
             return {"holder": self.holder}
-        self.holder = {"owner": owner, "token": uuid.uuid4().hex, "since": time.time()}
+        now = time.time()
+        self.holder = {"owner": owner, "token": uuid.uuid4().hex, "since": now, "ttl_s": ttl_s, "expires": now + ttl_s}
         return {"token": self.holder["token"]}
+
+    async def renew(self, token: str) -> bool:
+        """Keep the hold of ``token`` for another ``ttl_s``; False when it is not (or no longer) the holder."""
+        if self.holder and self.holder["token"] == token:
+            self.holder["expires"] = time.time() + self.holder["ttl_s"]
+            return True
+        return False
 
     async def release(self, token: str) -> None:
         if self.holder and self.holder["token"] == token:
             self.holder = None
-        self.ready.pop(token, None)
-        self.failed.pop(token, None)
         self.state["last_used"] = time.time()
-        self._notify()
+
+    def _lapse(self) -> None:
+        """A holder that stopped renewing (its run died: SIGKILL, a lost node) holds the engines no longer."""
+        if self.holder is not None and self.holder["expires"] < time.time():
+            self.state["lapsed"] = self.state.get("lapsed", 0) + 1
+            self.state["last_lapsed"] = self.holder["owner"]
+            self.holder = None
+            self.state["last_used"] = time.time()
 
     async def loaded(
         self,
@@ -154,9 +169,8 @@ class ServiceController:
         model_path: str,
         model_fingerprint: str,
         swapped: bool,
-        token: str = "",
     ) -> None:
-        """``model`` is in every engine of ``apps`` and checked: the run holding ``token`` may use them."""
+        """``model`` is in every engine of ``apps`` and checked."""
         self.state.update(
             apps=list(apps),
             spec=spec,
@@ -166,51 +180,6 @@ class ServiceController:
             last_used=time.time(),
         )
         self.state["swaps"] += int(swapped)
-        if token:
-            self.ready[token] = list(apps)
-        self._notify()
-
-    async def load_failed(self, token: str, why: str) -> None:
-        self.failed[token] = why
-        self._notify()
-
-    async def wait_ready(self, token: str, timeout_s: float) -> dict[str, Any]:
-        """Once the run holding ``token`` has its checkpoint in every engine and checked: {"apps": ...}; else
-        {"error": why not} (the load failed, the run no longer holds the engines, the service stopped, or
-        nothing within ``timeout_s``)."""
-        import asyncio
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if token in self.ready:
-                return {"apps": self.ready[token]}
-            if token in self.failed:
-                return {"error": self.failed[token]}
-            if self.state["stopped"]:
-                return {"error": "the warm engine service has stopped"}
-            if not self.holder or self.holder["token"] != token:
-                return {"error": "the run no longer holds the warm engines"}
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return {"error": f"its checkpoint was not in the engines within {timeout_s:.0f} s"}
-            changed = self._event()
-            try:
-                await asyncio.wait_for(changed.wait(), min(left, 10.0))
-            except TimeoutError:
-                pass
-
-    def _event(self):
-        import asyncio
-
-        if self._changed is None:
-            self._changed = asyncio.Event()
-        return self._changed
-
-    def _notify(self) -> None:
-        """Wake every wait_ready: something it looks at changed."""
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = None
 
     async def stop(self, why: str = "asked to stop") -> None:
         from ray import serve
@@ -218,7 +187,6 @@ class ServiceController:
         if not self.state["stopped"]:
             self.state["stopped"] = True
             self.state["stopped_why"] = why
-            self._notify()
             for app in [*self.state["apps"], RENDER_APP]:
                 try:
                     serve.delete(app)  # the engine's replica ends: its GPU share and CPUs are free
@@ -386,8 +354,6 @@ class _Lifeline:
     service): this says why first, in the run's log, so the run fails with the reason, never hangs."""
 
     def __init__(self) -> None:
-        import threading
-
         info = json.loads(service_file().read_text())
         self.pid, self.started = int(info["pid"]), info.get("pid_started")
         self.stop = threading.Event()
@@ -417,25 +383,22 @@ SWAP_TIMEOUT_S = 1800.0  # a swap, a check or a replacement of the engines
 
 
 class WarmEngine:
-    """What a run uses: the engines' applications (as expected when the run took the service: the warm stage gets
-    the final list from the controller), the run's lease token, and - once ``wait`` returns - how its checkpoint
-    got into them: "loaded" (already), "swapped" (hot swap), "replaced" (new engines), in ``seconds``.
+    """What a run uses: once ``wait`` returns, the engines' applications holding its checkpoint, checked, and how it
+    got into them: "loaded" (already), "swapped" (hot swap), "replaced" (new engines), in ``seconds``; the run's lease
+    token.
 
-    The checkpoint is loaded in the background while the run's dataset starts (its reads, its requests, its warm
-    stage's actor); the warm stage sends no row before the controller says that this run's checkpoint is in
-    every engine and checked (``ServiceController.wait_ready``)."""
-
-    deployment = ENGINE
-    controller = (CONTROLLER, NAMESPACE)  # where the warm stage asks whether the checkpoint is in
-    wait_s = SWAP_TIMEOUT_S  # and for how long at most
+    The checkpoint is loaded in the background while the run's dataset starts (its reads, its requests); the run
+    sends no request before ``wait`` has returned (``warm_feed.py``)."""
 
     def __init__(self, apps: list[str], model_fingerprint: str, token: str):
-        import threading
-
         self.apps, self.model_fingerprint, self.token = apps, model_fingerprint, token
         self.how, self.seconds = "", 0.0
         self.error: Optional[BaseException] = None
         self.done = threading.Event()
+
+    def handles(self) -> list:
+        """A Serve handle to each engine of ``apps``, in order."""
+        return [_handle(app) for app in self.apps]
 
     def wait(self) -> WarmEngine:
         """Once the checkpoint is in (or its load failed: raises why)."""
@@ -445,24 +408,69 @@ class WarmEngine:
         return self
 
 
-@contextlib.contextmanager
-def use(model: ResolvedModel, engine: EngineSettings, owner: str, wait_s: float) -> Iterator[WarmEngine]:
-    """Hold the service for one run: wait for it, get ``model`` loaded (swap, check, replace) while the run goes
-    on, and give it back once the run and the load are over."""
-    import threading
+class _Hold:
+    """A run's hold on the service: its lease token, renewed in the background until ``release``, and its checkpoint's
+    load, started at once (``warm``)."""
 
+    def __init__(self, c, token: str, model: ResolvedModel, engine: EngineSettings, owner: str = ""):
+        import ray
+
+        self.c, self.token, self.owner = c, token, owner
+        self.stop = threading.Event()
+        self.renewer = threading.Thread(target=self._renew, name="captionflow-warm-lease", daemon=True)
+        self.renewer.start()
+        self.loading: Optional[threading.Thread] = None
+        try:
+            info = ray.get(c.describe.remote(), timeout=60)
+            spec = engine_spec(model, engine)
+            same = info["spec"] == spec and info["apps"]  # else _load replaces them with the run's layout
+            self.warm = WarmEngine(
+                list(info["apps"]) if same else app_names(engine.service_engines()[1]), model.fingerprint, token
+            )
+            self.loading = threading.Thread(
+                target=_load, args=(c, model, engine, info, spec, self.warm), name="captionflow-warm-load", daemon=True
+            )
+            self.loading.start()
+        except BaseException:
+            self.release()
+            raise
+
+    def _renew(self) -> None:
+        import ray
+
+        while not self.stop.wait(LEASE_TTL_S / 3):
+            try:
+                ray.get(self.c.renew.remote(self.token), timeout=LEASE_TTL_S / 3)
+            except Exception:  # the service is gone: the run finds that out where it uses the engines
+                pass
+
+    def release(self) -> None:
+        """Give the engines back, once no swap runs on them."""
+        import ray
+
+        if self.loading is not None:
+            self.loading.join()
+        self.stop.set()
+        try:
+            ray.get(self.c.release.remote(self.token), timeout=60)
+        except Exception:  # the service went away: nothing to give back
+            pass
+
+
+def _acquire(c, owner: str, wait_s: Optional[float]) -> Optional[str]:
+    """The service's lease token, waiting up to ``wait_s`` while another run holds it (saying for whom); with
+    ``wait_s`` None, not waiting: None when it is held."""
     import ray
 
-    c = _controller()
-    if c is None:
-        raise ServiceError("no warm engine service on this Ray cluster")
     t0, said = time.monotonic(), 0.0
     while True:
         got = ray.get(c.try_acquire.remote(owner), timeout=60)
         if got.get("stopped"):
             raise ServiceError("the warm engine service has stopped")
         if "token" in got:
-            break
+            return got["token"]
+        if wait_s is None:
+            return None
         waited = time.monotonic() - t0
         if waited > wait_s:
             raise ServiceError(f"the warm engines stayed in use by {got['holder']['owner']} for {waited:.0f} s")
@@ -470,19 +478,78 @@ def use(model: ResolvedModel, engine: EngineSettings, owner: str, wait_s: float)
             log.warning("waiting for the warm engines: in use by %s", got["holder"]["owner"])
             said = max(waited, 1e-9)
         time.sleep(1.0)
-    token = got["token"]
-    loading = None
+
+
+# Holds taken at preflight (``start_early``) for the run's inference stage, by checkpoint and engine spec; one that
+# no inference stage takes within EARLY_HOLD_S (the run failed before, or its dataset is being preprocessed) is
+# released, and the inference stage takes the service then (finding its checkpoint loaded, unless another run came).
+EARLY_HOLD_S = 60.0
+_EARLY: dict[tuple[str, str], _Hold] = {}
+
+
+_EARLY_LOCK = threading.Lock()
+
+
+def start_early(cfg, model: ResolvedModel, engine: EngineSettings) -> bool:
+    """At preflight, on a cluster with a warm engine service that no run holds: take it and start loading ``model``,
+    while the run lists and checks its dataset (for a golden set, ~2-3 s before its inference stage would have).
+    True when it did."""
+    from captionflow.lease import _default_owner
+
+    if cfg.warm_engines == "off" or engine.tensor_parallel_size > 1:
+        return False
+    c = _controller()
+    if c is None:
+        return False
+    key = (model.fingerprint, engine_spec(model, engine))
     try:
-        info = ray.get(c.describe.remote(), timeout=60)
-        spec = engine_spec(model, engine)
-        same = info["spec"] == spec and info["apps"]  # else _load replaces them with the run's layout
-        warm = WarmEngine(
-            list(info["apps"]) if same else app_names(engine.service_engines()[1]), model.fingerprint, token
-        )
-        loading = threading.Thread(
-            target=_load, args=(c, model, engine, info, spec, warm), name="captionflow-warm-load", daemon=True
-        )
-        loading.start()
+        with _EARLY_LOCK:
+            if key in _EARLY:
+                return True
+            owner = _default_owner()
+            token = _acquire(c, owner, wait_s=None)
+            if token is None:
+                return False
+            hold = _EARLY[key] = _Hold(c, token, model, engine, owner)
+    except Exception as e:  # the inference stage tries again, and says what fails there
+        log.warning("warm engines: could not take the service at preflight: %s: %s", type(e).__name__, str(e)[:300])
+        return False
+    timer = threading.Timer(EARLY_HOLD_S, _end_early, args=(key, hold))
+    timer.daemon = True
+    timer.start()
+    return True
+
+
+def end_early(owner: str) -> None:
+    """Give back the holds ``owner`` took at preflight that no inference stage took (its result was cached)."""
+    with _EARLY_LOCK:
+        mine = [(k, h) for k, h in _EARLY.items() if h.owner == owner]
+    for key, hold in mine:
+        _end_early(key, hold)
+
+
+def _end_early(key: tuple[str, str], hold: _Hold) -> None:
+    with _EARLY_LOCK:
+        if _EARLY.get(key) is not hold:
+            return  # taken by its inference stage
+        del _EARLY[key]
+    hold.release()
+
+
+@contextlib.contextmanager
+def use(model: ResolvedModel, engine: EngineSettings, owner: str, wait_s: float) -> Iterator[WarmEngine]:
+    """Hold the service for one run: wait for it, get ``model`` loaded (swap, check, replace) while the run goes
+    on, and give it back once the run and the load are over. A hold taken at preflight (``start_early``) is
+    taken over."""
+    c = _controller()
+    if c is None:
+        raise ServiceError("no warm engine service on this Ray cluster")
+    with _EARLY_LOCK:
+        hold = _EARLY.pop((model.fingerprint, engine_spec(model, engine)), None)
+    if hold is None:
+        hold = _Hold(c, _acquire(c, owner, wait_s), model, engine, owner)
+    warm = hold.warm
+    try:
         with _Lifeline() if local_service_address() else contextlib.nullcontext():
             try:
                 yield warm
@@ -492,12 +559,7 @@ def use(model: ResolvedModel, engine: EngineSettings, owner: str, wait_s: float)
                     raise warm.error from None
                 raise
     finally:
-        if loading is not None:
-            loading.join()  # the lease goes only once no swap runs on the engines
-        try:
-            ray.get(c.release.remote(token), timeout=60)
-        except Exception:  # the service went away: nothing to give back
-            pass
+        hold.release()
 
 
 def _load(c, model: ResolvedModel, engine: EngineSettings, info: dict, spec: str, warm: WarmEngine) -> None:
@@ -534,17 +596,10 @@ def _load(c, model: ResolvedModel, engine: EngineSettings, info: dict, spec: str
             raise EngineFailed(
                 f"warm engines: loading {model.source} failed: {type(e).__name__}: {str(e)[:300]}"
             ) from e
-        ray.get(
-            c.loaded.remote(apps, spec, model.source, model.path, model.fingerprint, how == "swapped", warm.token),
-            timeout=60,
-        )
+        ray.get(c.loaded.remote(apps, spec, model.source, model.path, model.fingerprint, how == "swapped"), timeout=60)
         warm.apps, warm.how, warm.seconds = apps, how, round(time.perf_counter() - t0, 2)
     except BaseException as e:
         warm.error = e
-        try:
-            ray.get(c.load_failed.remote(warm.token, str(e)[:500]), timeout=60)
-        except Exception:  # the service is gone: the run's warm stage finds that out itself
-            pass
     finally:
         warm.done.set()
 

@@ -2,12 +2,12 @@
 
 Every run is a new Ray job, and a job's tasks and actors run in worker processes of its own. On a warm engine
 service's cluster the first block of a warm run went through new processes one after another (reading the shards,
-building the requests, the warm stage's actor), each importing pyarrow, Ray Data and captionflow's row code before
-doing any work: 4.7 s from the dataset's start to its first request on the H100 host, where the 5,000 captions then
-took ~20 s. ``start`` has idle workers of the run's job import them while its first stages (ingest, the cached
-preprocess) go on; Ray hands the job's next tasks to idle workers first. Not its actors: Ray 2.60 starts a process
-of its own for each actor (the warm stage's among them), however idle the job's workers. Nothing waits for them:
-a task that comes first starts a worker of its own, as without this.
+building the requests), each importing pyarrow, Ray Data and captionflow's row code before doing any work: 4.7 s
+from the dataset's start to its first request on the H100 host, where the 5,000 captions then took ~20 s.
+``start`` has idle workers of the run's job import them while its first stages (ingest, the cached preprocess) go
+on; Ray hands the job's next tasks to idle workers first. Not its actors: Ray 2.60 starts a process of its own for
+each actor, however idle the job's workers (so a warm run has none: ``warm_feed``). Nothing waits for them: a task
+that comes first starts a worker of its own, as without this.
 """
 
 from __future__ import annotations

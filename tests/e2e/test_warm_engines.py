@@ -20,7 +20,7 @@ import pytest
 
 from captionflow.builtin.demo_data import DEMO_CAPTIONS, ensure_demo_dataset
 from captionflow.pipeline.engine_server import SWAP_DELAY_ENV
-from captionflow.pipeline.warm_stage import GATE
+from captionflow.pipeline.warm_feed import GATE
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "flows.cli"]
@@ -81,7 +81,7 @@ def test_two_checkpoints_through_warm_engines_equal_cold_runs(env, tmp_path):
     data = _images(tmp_path / "golden", 6)
     ckpt_b = build_builtin_model(tmp_path / "step-2000", seed=1)
     # two engines, as a run with --concurrency 2 would have: a swap must reach both. Each swap takes 25 s longer,
-    # so that B's warm stage is up while B is still being swapped in: it must send nothing before B is in. A
+    # so that B's first requests are built while B is still being swapped in: it must send nothing before B is in. A
     # renderer renders the requests for both engines (render_actors), as render actors do for a run's own engines.
     slow_swap = {**env, SWAP_DELAY_ENV: "25"}
     serve = _serve(slow_swap, tmp_path / "serve.log", "--concurrency", "2", "--render-actors", "1")
@@ -103,7 +103,7 @@ def test_two_checkpoints_through_warm_engines_equal_cold_runs(env, tmp_path):
     # every row of B's one pass served by B's weights, whichever engine captioned it (a row an engine served
     # with A's weights is an error row, and would have needed a second pass)
     assert [(p["sent"], p["captioned"], p["failed"]) for p in b["passes"]] == [(6, 6, 0)]
-    # ... because its warm stage, up before the swap ended, waited for it
+    # ... because its driver, its requests built before the swap ended, waited for it
     waited = re.search(re.escape(GATE) + r" \(waited ([0-9.]+) s\)", b["_output"])
     assert waited and float(waited.group(1)) > 1.0, b["_output"][-3000:]
 

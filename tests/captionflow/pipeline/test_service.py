@@ -1,89 +1,91 @@
-"""The warm engine service's controller: a run's warm stage sends no row before the controller says that run's
-checkpoint is in every engine and checked, and is told why not when it never will be.
-
-The controller class runs here in one event loop, as in its Ray actor (an async actor runs its methods on one
-loop); the service end to end, its Ray actor included, is tests/e2e/test_warm_engines.py."""
+"""The warm engine service's lease: a run that stops renewing its hold (SIGKILL, a lost node) loses it; a hold taken at
+preflight goes to the run's inference stage, or back to the service. The controller is the real class (as a Ray actor
+in the second test); the engines' load is a stand-in (the real one: tests/e2e/test_warm_engines.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
-from captionflow.pipeline.service import ServiceController
+import pytest
 
-
-def _run(coro):
-    return asyncio.run(coro)
-
-
-async def _held(c: ServiceController, owner: str = "run-a") -> str:
-    got = await c.try_acquire(owner)
-    return got["token"]
-
-
-async def _waiting(c: ServiceController, token: str, settle_s: float = 0.2) -> asyncio.Future:
-    """A run's warm stage asking for ``token``'s engines, given ``settle_s`` to answer if it would at once."""
-    waiter = asyncio.ensure_future(c.wait_ready(token, timeout_s=30))
-    await asyncio.sleep(settle_s)
-    return waiter
+from captionflow.config import RunConfig
+from captionflow.model_source import resolve_model
+from captionflow.pipeline import service
+from captionflow.pipeline.engine import resolve_engine
+from captionflow.pipeline.presets import CPU
+from captionflow.pipeline.session import ray_session
 
 
-def test_a_run_waits_until_its_checkpoint_is_loaded_and_gets_the_engines():
-    async def main():
-        c = ServiceController(idle_timeout_s=0)
-        token = await _held(c)
-        waiter = await _waiting(c, token)
-        assert not waiter.done()  # the swap is still running
-        await c.loaded(["captionflow-0", "captionflow-1"], "spec", "ckpt-b", "/ckpt/b", "fp-b", True, token)
-        got = await asyncio.wait_for(waiter, 5)
-        # a wait that starts after the load returns at once
-        again = await asyncio.wait_for(c.wait_ready(token, timeout_s=30), 1)
-        return got, again, c.state
+def test_a_hold_that_is_not_renewed_lapses_and_the_next_run_gets_the_engines():
+    async def scenario():
+        c = service.ServiceController(idle_timeout_s=0)
+        first = (await c.try_acquire("run A", ttl_s=0.3))["token"]
+        assert (await c.try_acquire("run B"))["holder"]["owner"] == "run A"
+        await asyncio.sleep(0.2)
+        assert await c.renew(first)  # renewed in time: still A's
+        await asyncio.sleep(0.2)
+        assert (await c.try_acquire("run B"))["holder"]["owner"] == "run A"
+        await asyncio.sleep(0.4)  # A died: no renewal
+        second = await c.try_acquire("run B")
+        assert "token" in second and not await c.renew(first)
+        state = await c.describe()
+        assert state["lapsed"] == 1 and state["last_lapsed"] == "run A" and state["holder"]["owner"] == "run B"
+        await c.release(second["token"])
+        assert (await c.describe())["holder"] is None
 
-    got, again, state = _run(main())
-    assert got == again == {"apps": ["captionflow-0", "captionflow-1"]}
-    assert state["model_fingerprint"] == "fp-b" and state["swaps"] == 1
-
-
-def test_an_earlier_runs_load_does_not_open_the_gate_for_the_next_run():
-    async def main():
-        c = ServiceController(idle_timeout_s=0)
-        first = await _held(c, "run-a")
-        await c.loaded(["captionflow-0"], "spec", "ckpt-a", "/ckpt/a", "fp-a", False, first)
-        await c.release(first)
-        second = await _held(c, "run-b")
-        waiter = await _waiting(c, second)
-        pending = not waiter.done()
-        await c.loaded(["captionflow-0"], "spec", "ckpt-b", "/ckpt/b", "fp-b", True, second)
-        return pending, await asyncio.wait_for(waiter, 5), await c.wait_ready(first, timeout_s=1)
-
-    pending, got, stale = _run(main())
-    assert pending and got == {"apps": ["captionflow-0"]}
-    assert stale == {"error": "the run no longer holds the warm engines"}
+    asyncio.run(scenario())
 
 
-def test_a_failed_load_a_release_a_stop_or_the_time_limit_ends_the_wait_with_the_reason():
-    async def main():
-        c = ServiceController(idle_timeout_s=0)
-        token = await _held(c)
-        waiter = await _waiting(c, token, 0.1)
-        await c.load_failed(token, "EngineFailed: warm engines: loading ckpt-b failed: disk full")
-        failed = await asyncio.wait_for(waiter, 5)
-        await c.release(token)
+@pytest.fixture
+def controller(builtin_model_dir, monkeypatch):
+    """A real controller actor on a local Ray, an engine load that only tells it; the run's model and engine."""
+    import ray
 
-        token = await _held(c)
-        waiter = await _waiting(c, token, 0.1)
-        await c.release(token)  # the run ended (crashed) before its checkpoint got in
-        released = await asyncio.wait_for(waiter, 5)
+    cfg = RunConfig(device="cpu")
+    ray_session(cfg)
+    model = resolve_model("builtin")
+    engine = resolve_engine(cfg, model, CPU)
+    loads: list[str] = []
 
-        token = await _held(c)
-        timed_out = await asyncio.wait_for(c.wait_ready(token, timeout_s=0.3), 5)
-        waiter = await _waiting(c, token, 0.1)
-        await c.stop("asked to stop")
-        stopped = await asyncio.wait_for(waiter, 5)
-        return failed, released, timed_out, stopped
+    def load(c, model, engine, info, spec, warm):
+        loads.append(warm.token)
+        ray.get(c.loaded.remote(["captionflow-0"], spec, model.source, model.path, model.fingerprint, True))
+        warm.apps, warm.how = ["captionflow-0"], "swapped"
+        warm.done.set()
 
-    failed, released, timed_out, stopped = _run(main())
-    assert failed == {"error": "EngineFailed: warm engines: loading ckpt-b failed: disk full"}
-    assert released == {"error": "the run no longer holds the warm engines"}
-    assert timed_out == {"error": "its checkpoint was not in the engines within 0 s"}
-    assert stopped == {"error": "the warm engine service has stopped"}
+    monkeypatch.setattr(service, "_load", load)
+    actor = ray.remote(service.ServiceController).options(name=service.CONTROLLER, namespace=service.NAMESPACE)
+    c = actor.remote(0)
+    yield c, cfg, model, engine, loads
+    ray.kill(c)
+
+
+def test_a_hold_taken_at_preflight_goes_to_the_inference_stage_or_back(controller, monkeypatch):
+    import ray
+
+    c, cfg, model, engine, loads = controller
+    assert service.start_early(cfg, model, engine)
+    held = ray.get(c.describe.remote())["holder"]
+    assert held and loads == [held["token"]]  # loading at preflight
+    with service.use(model, engine, "the same run", wait_s=5) as warm:
+        assert warm.token == held["token"] and warm.wait().how == "swapped"
+        assert loads == [held["token"]]  # taken over: not acquired or loaded again
+    assert ray.get(c.describe.remote())["holder"] is None
+
+    # a hold no inference stage takes: given back by the run's end (its inference was cached) ...
+    assert service.start_early(cfg, model, engine)
+    owner = ray.get(c.describe.remote())["holder"]["owner"]
+    service.end_early(owner)
+    assert ray.get(c.describe.remote())["holder"] is None
+    # ... or once EARLY_HOLD_S has passed (the run failed before its inference stage)
+    monkeypatch.setattr(service, "EARLY_HOLD_S", 0.5)
+    assert service.start_early(cfg, model, engine)
+    deadline = time.monotonic() + 30
+    while ray.get(c.describe.remote())["holder"] is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    # the service held by another run: preflight does not wait for it
+    other = ray.get(c.try_acquire.remote("another run"))["token"]
+    assert not service.start_early(cfg, model, engine)
+    ray.get(c.release.remote(other))

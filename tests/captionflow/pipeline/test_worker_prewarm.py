@@ -1,5 +1,5 @@
 """Idle workers of a run's Ray job import what its first tasks need, and the job's next task runs in one of them; an
-actor does not (Ray starts a process for it: the warm stage's actor cannot be prewarmed this way)."""
+actor does not (Ray starts a process for it: why a warm run has no actor of its own, ``warm_feed``)."""
 
 from __future__ import annotations
 
@@ -40,4 +40,4 @@ def test_the_jobs_next_task_runs_in_a_worker_that_imported_the_pipelines_modules
     _, r = run_script(SCRIPT, tmp_path)
     assert r["prewarmed"] >= 1 and r["reused"]
     assert all(r["imported"])  # Ray Data, captionflow's row code: before the task ran
-    assert not r["actor_reused"]  # if Ray ever gives actors idle workers, the warm stage's actor can be prewarmed
+    assert not r["actor_reused"]  # if Ray ever gives actors idle workers, an actor could be prewarmed
