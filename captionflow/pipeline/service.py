@@ -412,7 +412,7 @@ class _Hold:
     """A run's hold on the service: its lease token, renewed in the background until ``release``, and its checkpoint's
     load, started at once (``warm``)."""
 
-    def __init__(self, c, token: str, model: ResolvedModel, engine: EngineSettings, owner: str = ""):
+    def __init__(self, c, token: str, model: ResolvedModel, engine: EngineSettings, spec: str, owner: str = ""):
         import ray
 
         self.c, self.token, self.owner = c, token, owner
@@ -422,7 +422,6 @@ class _Hold:
         self.loading: Optional[threading.Thread] = None
         try:
             info = ray.get(c.describe.remote(), timeout=60)
-            spec = engine_spec(model, engine)
             same = info["spec"] == spec and info["apps"]  # else _load replaces them with the run's layout
             self.warm = WarmEngine(
                 list(info["apps"]) if same else app_names(engine.service_engines()[1]), model.fingerprint, token
@@ -510,7 +509,7 @@ def start_early(cfg, model: ResolvedModel, engine: EngineSettings) -> bool:
             token = _acquire(c, owner, wait_s=None)
             if token is None:
                 return False
-            hold = _EARLY[key] = _Hold(c, token, model, engine, owner)
+            hold = _EARLY[key] = _Hold(c, token, model, engine, key[1], owner)
     except Exception as e:  # the inference stage tries again, and says what fails there
         log.warning("warm engines: could not take the service at preflight: %s: %s", type(e).__name__, str(e)[:300])
         return False
@@ -544,10 +543,11 @@ def use(model: ResolvedModel, engine: EngineSettings, owner: str, wait_s: float)
     c = _controller()
     if c is None:
         raise ServiceError("no warm engine service on this Ray cluster")
+    spec = engine_spec(model, engine)
     with _EARLY_LOCK:
-        hold = _EARLY.pop((model.fingerprint, engine_spec(model, engine)), None)
+        hold = _EARLY.pop((model.fingerprint, spec), None)
     if hold is None:
-        hold = _Hold(c, _acquire(c, owner, wait_s), model, engine, owner)
+        hold = _Hold(c, _acquire(c, owner, wait_s), model, engine, spec, owner)
     warm = hold.warm
     try:
         with _Lifeline() if local_service_address() else contextlib.nullcontext():
