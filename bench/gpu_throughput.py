@@ -703,9 +703,11 @@ def _flow_timed(a, name: str, images: str, model: str, engine_kwargs: str, env: 
     summary = Path(a.work) / f"verdict-{name}-summary.json"
     cmd = flow_command(a, images, out, model, summary, engine_kwargs) + ["--compile-cache-dir", env["CF_BENCH_CC"]]
     log = Path(a.work) / f"phase-verdict-{name}.log"
-    if os.environ.get("CF_BENCH_PYSPY"):  # py-spy of the run's driver (wall clock, idle threads too), raw stacks
-        spy = [os.environ["CF_BENCH_PYSPY"], "record", "--idle", "--threads", "-r", "100", "-f", "raw"]
-        cmd = spy + ["-o", str(Path(a.work) / f"pyspy-verdict-{name}.txt"), "--"] + cmd
+    if os.environ.get("CF_BENCH_PYSPY") and re.search(os.environ.get("CF_BENCH_PYSPY_RUNS", ""), name):
+        # py-spy of the run's driver (wall clock, idle threads too), samples in order; CF_BENCH_PYSPY_RUNS: of the
+        # runs whose name it matches (a regular expression)
+        spy = [os.environ["CF_BENCH_PYSPY"], "record", "--idle", "--threads", "-r", "100", "-f", "speedscope"]
+        cmd = spy + ["-o", str(Path(a.work) / f"pyspy-verdict-{name}.json"), "--"] + cmd  # bench/pyspy_timeline.py
     t0 = time.time()
     with open(log, "w") as fh:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=a.phase_timeout)
@@ -946,6 +948,7 @@ def _verdict(a: argparse.Namespace, sampler: GpuSampler, prefect_env: dict) -> d
         "cold_s": res.get("cold", {}).get("leaderboard_row_after_s"),
         "warm_cache_s": res.get("warm_cache", {}).get("leaderboard_row_after_s"),
         "warm_engines_s": res.get("warm_engines", {}).get("leaderboard_row_after_s"),
+        "warm_engines_repeats_s": [r.get("leaderboard_row_after_s") for r in res.get("warm_engines_repeats", [])],
         "raw_wall_s": raw.get("wall_s"),
         "exit_s": {k: res[k].get("verdict_s") for k in ("cold", "warm_cache", "warm_engines") if k in res},
     }
@@ -968,7 +971,8 @@ def _warm_engines(a, res: dict, images: str, ckpt_a: str, ckpt_c: str, kwargs: s
         lkwargs = json.dumps({**json.loads(kwargs), **layout.get("engine_kwargs", {})})
         got = _warm_layout(la, res, images, ckpt_a, ckpt_c, lkwargs, env, cc, suffix="" if i == 0 else f"-{i}")
         if i == 0:
-            res.update({k: got[k] for k in ("service_start_s", "warm_engines", "warm_engines_a_first") if k in got})
+            keep = ("service_start_s", "warm_engines", "warm_engines_a_first", "warm_engines_repeats")
+            res.update({k: got[k] for k in keep if k in got})
         if a.warm_layouts:
             res.setdefault("warm_layouts", []).append({"layout": layout, **got})
         # what is done so far, should the lease end before the phase does
@@ -1003,6 +1007,15 @@ def _warm_layout(a, res: dict, images: str, ckpt_a: str, ckpt_c: str, kwargs: st
             # a checkpoint the golden set has not seen (else its captions are already committed there)
             root = "out-verdict" if ckpt_c not in res["checkpoints"][:2] else "out-verdict-c"
             got["warm_engines"] = _flow_timed(a, f"warm-engines{suffix}", images, ckpt_c, kwargs, env, root)
+            last = got["warm_engines"]
+            for r in range(1, a.warm_repeats + 1):  # B, C, B, ...: each a swap; the checkpoint's captions go first
+                if last.get("run_dir"):
+                    shutil.rmtree(last["run_dir"], ignore_errors=True)
+                    Path(last["leaderboard_row"]).unlink(missing_ok=True)
+                ckpt = res["checkpoints"][1] if r % 2 else ckpt_c
+                last = _flow_timed(a, f"warm-engines{suffix}-r{r}", images, ckpt, kwargs, env, root)
+                got.setdefault("warm_engines_repeats", []).append(last)
+                (Path(a.work) / "verdict-partial.json").write_text(json.dumps({**res, **got}, indent=2))
             save_engine_logs(Path(a.work) / f"phase-verdict-serve-engines{suffix}.log")  # the service's Ray
     finally:
         _stop(server, 120)
@@ -1166,6 +1179,13 @@ def main() -> int:
         help="the warm-engine verdict for each of these engine layouts in turn (a JSON list of objects with "
         "name and any of engines_per_gpu, pipeline_config, engine_kwargs, over the options above), e.g. "
         '\'[{"name":"4x512"},{"name":"2x1024","engines_per_gpu":2,"pipeline_config":{"max_num_seqs":1024}}]\'',
+    )
+    ap.add_argument(
+        "--warm-repeats",
+        type=int,
+        default=0,
+        help="after each layout's warm-engine run of C, this many more on the same service, swapping B and C in turn "
+        "(warm_engines_repeats): several verdicts for one service start",
     )
     ap.add_argument(
         "--prefect",

@@ -33,8 +33,9 @@ from tasks.results import stage_results
 def caption_flow(config: RunConfig) -> dict:
     """Caption a dataset with a VLM checkpoint and score the captions. Returns the run summary.
     Its parameters are RunConfig's fields (flows/parameters.py)."""
+    results = stage_results(config.output)  # its storage is saved while preflight runs
     checked = preflight_task(config)
-    with stage_results(config.output) as stages:
+    with results as stages:
         ing = ingest_task(config)
         manifest = preprocess_task(ing, config)
         captions = inference_task(config, manifest, checked)

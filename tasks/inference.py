@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import logging
+import threading
 import time
+from typing import Optional
 
 from prefect import task
 from prefect.logging import get_run_logger
@@ -16,6 +20,8 @@ from captionflow.results import InferenceResult, Manifest, PreflightResult
 from captionflow.storage import Store
 from tasks.policy import TIMEOUT_S, retry_transient
 from tasks.results import record_stage, validated
+
+log = logging.getLogger("captionflow.inference")
 
 
 def _key(cfg: RunConfig, manifest: Manifest, checked: PreflightResult) -> str:
@@ -39,41 +45,92 @@ class ProgressArtifact:
     total as engine batches arrive, how many are committed, the captioning rate and an ETA from that rate (engine
     start-up is not in it); one log line every ``log_every_s``. An attempt that fails says so on its artifact; one
     that died without a word (SIGKILL, a lost node) is marked by the next attempt, once that holds the folder's
-    lease (so never while it lives)."""
+    lease (so never while it lives).
+
+    The API calls run on a thread of their own, in the task's context, with the newest progress at most once a
+    second: the stage never waits for them (the first one, which also reads the folder's earlier attempts, came
+    before the run's first request). ``close`` waits for the last one; ``failed`` ends the attempt's artifact."""
 
     def __init__(self, folder: str, log_every_s: float = 30.0):
         self.key = f"inference-progress-{digest(folder, 12)}"
         self.id = None
-        self.last = self.last_log = 0.0
+        self.last_log = 0.0
         self.log_every_s = log_every_s
         self.state = (0, 0, 1)
+        self._context = contextvars.copy_context()  # the task run's: the artifact and log lines are its own
+        self._wanted: Optional[tuple[int, int, int, float]] = None
+        self._first: Optional[tuple[int, int, int, float]] = None  # the rows done before this attempt
+        self._changed = threading.Condition()
+        self._closing = False
+        self._sender: Optional[threading.Thread] = None
 
     def __call__(self, seen: int, committed: int, total: int, rate: float) -> None:
+        with self._changed:
+            self.state = (seen, committed, total)
+            self._wanted = (seen, committed, total, rate)
+            if self._first is None:
+                self._first = self._wanted
+            if self._sender is None:
+                self._sender = threading.Thread(
+                    target=self._context.run, args=(self._send_loop,), name="captionflow-progress", daemon=True
+                )
+                self._sender.start()
+            self._changed.notify()
+
+    def _send_loop(self) -> None:
+        last = 0.0
+        while True:
+            with self._changed:
+                # at most one update a second; the last (all rows in) and the one on closing go at once
+                while not self._closing and (
+                    self._wanted is None
+                    or (self.id is not None and self._wanted[0] < self._wanted[2] and time.monotonic() - last < 1.0)
+                ):
+                    self._changed.wait(None if self._wanted is None else max(0.0, 1.0 - (time.monotonic() - last)))
+                wanted, self._wanted = self._wanted, None
+            if wanted is None:
+                return  # closing, nothing left to send
+            last = time.monotonic()
+            try:
+                self._send(*wanted)
+            except Exception as e:  # the progress display is not the stage's result
+                log.warning("inference progress artifact: %s: %s", type(e).__name__, str(e)[:300])
+
+    def _send(self, seen: int, committed: int, total: int, rate: float) -> None:
         from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-        self.state = (seen, committed, total)
-        pct = 100.0 * seen / max(total, 1)
         if self.id is None:
-            self._end_unfinished(committed)
+            before, _, of, _ = self._first
+            self._end_unfinished(before)
             self.id = create_progress_artifact(
-                progress=pct, key=self.key, description=f"captioned {seen}/{total} (committed before this attempt)"
+                progress=100.0 * before / max(of, 1),
+                key=self.key,
+                description=f"captioned {before}/{of} (committed before this attempt)",
             )
-            return
-        now = time.monotonic()
-        if seen < total and now - self.last < 1.0:  # at most one API call a second
-            return
-        self.last = now
+            if (seen, committed, total, rate) == self._first:
+                return
+        pct = 100.0 * seen / max(total, 1)
         eta = (total - seen) / rate if rate > 0 else float("inf")
         line = f"captioned {seen}/{total} ({committed} committed), {rate:.2f} rows/s, ETA {eta:.0f} s"
         update_progress_artifact(artifact_id=self.id, progress=pct, description=line)
+        now = time.monotonic()
         if now - self.last_log >= self.log_every_s or seen >= total:
             self.last_log = now
             get_run_logger().info("inference: %s", line)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Send what is left and stop the thread."""
+        with self._changed:
+            self._closing = True
+            self._changed.notify()
+        if self._sender is not None:
+            self._sender.join(timeout_s)
 
     def failed(self, e: BaseException) -> None:
         """This attempt ends with ``e``: its artifact says where and why."""
         from prefect.artifacts import update_progress_artifact
 
+        self.close()
         if self.id is None:
             return
         seen, committed, total = self.state
@@ -128,7 +185,9 @@ def inference_task(cfg: RunConfig, manifest: Manifest, checked: PreflightResult)
     run = caption_run_parts(cfg, manifest, checked.model, checked.engine)
     progress = ProgressArtifact(Store(cfg.output).path(*run))
     try:
-        return run_inference(cfg, manifest, checked.model, checked.engine, progress)
+        result = run_inference(cfg, manifest, checked.model, checked.engine, progress)
     except BaseException as e:
         progress.failed(e)
         raise
+    progress.close()
+    return result

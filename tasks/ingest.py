@@ -13,6 +13,7 @@ from tasks.results import record_stage
 
 @task(
     name="ingest",
+    persist_result=False,  # never cached: a run's listing is not kept (for millions of files, it is large)
     timeout_seconds=TIMEOUT_S["ingest"],
     retries=2,
     retry_delay_seconds=[2, 10],

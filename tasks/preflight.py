@@ -11,6 +11,7 @@ from tasks.policy import TIMEOUT_S, retry_transient
 
 @task(
     name="preflight",
+    persist_result=False,  # never cached
     timeout_seconds=TIMEOUT_S["preflight"],
     retries=1,
     retry_delay_seconds=[5],

@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Optional
 
 from captionflow.fingerprint import digest
@@ -68,23 +69,51 @@ logging.getLogger("prefect.task_runs").addFilter(_QuietHook())
 _STAGE_LOG: contextvars.ContextVar[Optional[StageLog]] = contextvars.ContextVar("captionflow_stages", default=None)
 
 
-@contextlib.contextmanager
-def stage_results(output: str) -> Iterator[StageLog]:
-    """Inside a flow run: persist the results of the stage tasks called in this block under ``output``,
-    record how each ended, and forward the engines' and Ray's key lines to the run's log (``run_log``)."""
-    from prefect.context import FlowRunContext
-    from prefect.logging import get_run_logger
+class stage_results:
+    """Inside a flow run: persist the results of the stage tasks called in the ``with`` block under ``output``,
+    record how each ended, and forward the engines' and Ray's key lines to the run's log (``run_log``).
 
-    ctx = FlowRunContext.get()
-    stages = StageLog()
-    token = _STAGE_LOG.set(stages)
-    store = ctx.result_store.model_copy(update={"result_storage": result_storage(output)})
-    try:
-        run_logger = get_run_logger()
-        with ctx.model_copy(update={"result_store": store}), run_log.forward_to(run_logger, api_only(run_logger)):
-            yield stages
-    finally:
-        _STAGE_LOG.reset(token)
+    The result storage block is saved (a few API calls) on a thread from the moment this is made, so that a flow
+    that makes it before its preflight (``caption_flow``) does not wait for it; ``with`` waits for it."""
+
+    def __init__(self, output: str):
+        self.output = output
+        self._saved: list = []
+        self._saving = threading.Thread(
+            target=contextvars.copy_context().run, args=(self._save,), name="captionflow-result-storage", daemon=True
+        )
+        self._saving.start()
+        self._exit = contextlib.ExitStack()
+
+    def _save(self) -> None:
+        try:
+            self._saved.append(result_storage(self.output))
+        except BaseException as e:  # raised where the block is needed
+            self._saved.append(e)
+
+    def __enter__(self) -> StageLog:
+        from prefect.context import FlowRunContext
+        from prefect.logging import get_run_logger
+
+        self._saving.join()
+        if isinstance(self._saved[0], BaseException):
+            raise self._saved[0]
+        ctx = FlowRunContext.get()
+        stages = StageLog()
+        token = _STAGE_LOG.set(stages)
+        self._exit.callback(_STAGE_LOG.reset, token)
+        try:
+            store = ctx.result_store.model_copy(update={"result_storage": self._saved[0]})
+            run_logger = get_run_logger()
+            self._exit.enter_context(ctx.model_copy(update={"result_store": store}))
+            self._exit.enter_context(run_log.forward_to(run_logger, api_only(run_logger)))
+        except BaseException:
+            self._exit.close()
+            raise
+        return stages
+
+    def __exit__(self, *exc) -> bool:
+        return bool(self._exit.__exit__(*exc))
 
 
 def api_only(run_logger: logging.LoggerAdapter) -> logging.LoggerAdapter:
