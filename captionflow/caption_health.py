@@ -19,23 +19,24 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterable
+from typing import Optional
 
-from captionflow.metrics import simple_tokenize
+from captionflow.metrics import caption_words
 
 CHECKS = ("refusal", "reasoning_leak", "prompt_echo", "non_target_language")
 EXAMPLES = 3  # per fault, in the report
 
+# matched against the lower-cased caption (a case-insensitive pattern is several times slower on long captions)
 _REFUSAL = re.compile(
     r"\b(i'?m sorry|i am sorry|i apologi[sz]e|i can(?:'|no)?t|i cannot|i'?m (?:not )?able to|i am unable|"
     r"i'?m unable|unable to (?:see|view|describe|help|assist|identify)|as an ai|as a language model|"
-    r"i do not have the ability|i don'?t have the ability)\b",
-    re.IGNORECASE,
+    r"i do not have the ability|i don'?t have the ability)\b"
 )
 _REASONING = re.compile(
     r"(</?think>|</?reasoning>|<\|begin_of_thought\|>|^\s*(?:let me think|let's think|okay,? so|alright,? so|"
     r"hmm,?|thinking:|reasoning:)|\bstep \d+\s*:|\bfirst,? i (?:need|will|should)\b|"
     r"\bthe user (?:wants|asks|is asking)\b)",
-    re.IGNORECASE | re.MULTILINE,
+    re.MULTILINE,
 )
 _ENGLISH_FUNCTION_WORDS = frozenset(
     " ".join(
@@ -48,40 +49,40 @@ _ENGLISH_FUNCTION_WORDS = frozenset(
 
 
 _ASCII_LETTER = re.compile(r"[A-Za-z]")
-
-
-def _words(text: str) -> list[str]:
-    return simple_tokenize(text).split()
+_ASCII_NON_LETTERS = bytes(b for b in range(128) if not chr(b).isalpha())
 
 
 @functools.lru_cache(maxsize=64)
 def _prompt_words(prompt: str) -> tuple[str, ...]:
     """A prompt's words, tokenised once however many captions are checked against it."""
-    return tuple(_words(prompt))
+    return tuple(caption_words(prompt))
 
 
-def faults(caption: str, prompts: Iterable[str] = ()) -> list[str]:
-    """The faults of one caption (a subset of CHECKS, in that order)."""
+def faults(caption: str, prompts: Iterable[str] = (), words: Optional[list[str]] = None) -> list[str]:
+    """The faults of one caption (a subset of CHECKS, in that order); ``words``: its ``caption_words``, when the
+    caller has them already."""
     found = []
-    if _REFUSAL.search(caption):
+    lowered = caption.lower()
+    if _REFUSAL.search(lowered):
         found.append("refusal")
-    if _REASONING.search(caption):
+    if _REASONING.search(lowered):
         found.append("reasoning_leak")
-    cap_words = _words(caption)
+    cap_words = words if words is not None else caption_words(caption)
+    joined_cap = None
     for p_words in (_prompt_words(p) for p in prompts):
         if not p_words or not cap_words:
             continue
-        joined_cap, joined_prompt = " ".join(cap_words), " ".join(p_words)
-        head = cap_words[: len(p_words)]
-        overlap = sum(1 for a, b in zip(head, p_words) if a == b) / len(p_words)
-        if joined_prompt in joined_cap or overlap >= 0.8:
+        overlap = sum(1 for a, b in zip(cap_words, p_words) if a == b) / len(p_words)
+        if overlap < 0.8:
+            joined_cap = joined_cap if joined_cap is not None else " ".join(cap_words)
+        if overlap >= 0.8 or " ".join(p_words) in joined_cap:
             found.append("prompt_echo")
             break
     if caption.isascii():  # every letter ASCII (most captions: no per-character pass)
         n_letters = n_ascii = 1 if _ASCII_LETTER.search(caption) else 0
-    else:
-        letters = [c for c in caption if c.isalpha()]
-        n_letters, n_ascii = len(letters), sum(1 for c in letters if c.isascii())
+    else:  # counted in C: every letter by str.isalpha, the ASCII ones ([A-Za-z]) as the bytes left of the caption
+        n_letters = sum(map(str.isalpha, caption))
+        n_ascii = len(caption.encode("ascii", "ignore").translate(None, _ASCII_NON_LETTERS))
     if n_letters:
         ascii_share = n_ascii / n_letters
         latin_but_foreign = len(cap_words) >= 6 and not (set(cap_words) & _ENGLISH_FUNCTION_WORDS)
@@ -90,15 +91,16 @@ def faults(caption: str, prompts: Iterable[str] = ()) -> list[str]:
     return found
 
 
-def caption_health(rows: Iterable[dict], prompts: Iterable[str] = ()) -> dict:
-    """Counts, rates and up to EXAMPLES examples per fault over caption rows (``image_id``, ``caption``)."""
+def caption_health(rows: Iterable[dict], prompts: Iterable[str] = (), words: Optional[list[list[str]]] = None) -> dict:
+    """Counts, rates and up to EXAMPLES examples per fault over caption rows (``image_id``, ``caption``);
+    ``words``: each row's ``caption_words``, in order, when the caller has them already."""
     prompts = [p for p in prompts if p]
     counts = dict.fromkeys(CHECKS, 0)
     examples: dict[str, list[dict]] = {k: [] for k in CHECKS}
     n = 0
-    for row in rows:
+    for i, row in enumerate(rows):
         n += 1
-        for fault in faults(row["caption"], prompts):
+        for fault in faults(row["caption"], prompts, words[i] if words is not None else None):
             counts[fault] += 1
             if len(examples[fault]) < EXAMPLES:
                 examples[fault].append({"image_id": row["image_id"], "caption": row["caption"][:200]})

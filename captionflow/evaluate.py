@@ -9,7 +9,7 @@ import pyarrow as pa
 
 from captionflow.caption_health import caption_health
 from captionflow.layout import CAPTIONS, SCORES, shard_paths
-from captionflow.metrics import length_stats, reference_metrics
+from captionflow.metrics import caption_words, length_stats, reference_metrics
 from captionflow.pairwise_scores import pairwise_per_image
 from captionflow.report import read_leaderboard, render_report, update_leaderboard
 from captionflow.report_html import chart_png, render_html, side_by_side, thumbnails
@@ -47,9 +47,10 @@ def evaluate(
     caps_t = store.read_unique(store.ls(*run, CAPTIONS, suffix=".parquet"))
     rows = caps_t.to_pylist() if caps_t is not None else []
     captions = {r["image_id"]: r["caption"] for r in rows}
-    stats = length_stats([r["caption"] for r in rows], [r["finish_reason"] for r in rows], inference.failed)
+    words = [caption_words(r["caption"]) for r in rows]  # once, for the statistics and the health checks
+    stats = length_stats([r["caption"] for r in rows], [r["finish_reason"] for r in rows], inference.failed, words)
     ref_agg, ref_per = reference_metrics(captions, refs, java=coco_java)
-    metrics = {"stats": stats, "health": caption_health(rows, prompts), "reference": ref_agg}
+    metrics = {"stats": stats, "health": caption_health(rows, prompts, words), "reference": ref_agg}
     judged: dict[str, dict] = {}
     if judge:
         metrics["judge"] = judge.headline()

@@ -5,16 +5,22 @@ from __future__ import annotations
 import re
 import statistics
 from collections.abc import Iterable
+from typing import Optional
 
-# The punctuation PTBTokenizer (pycocoevalcap.tokenizer) removes after tokenising.
-_PUNCT = {"''", "'", "``", "`", "-LRB-", "-RRB-", "-LCB-", "-RCB-", ".", "?", "!", ",", ":", "-", "--", "...", ";"}
-_TOKEN = re.compile(r"[a-z0-9]+(?:'[a-z]+)?|[^\sa-z0-9]")
+# Words (with an apostrophe suffix: "don't") and single other characters, except the punctuation PTBTokenizer
+# (pycocoevalcap.tokenizer) removes after tokenising: of its set ('' ' `` ` -LRB- -RRB- -LCB- -RCB- . ? ! , : - --
+# ... ;) only single characters can come out of this pattern, and those are excluded in it.
+_TOKEN = re.compile(r"[a-z0-9]+(?:'[a-z]+)?|[^\sa-z0-9'`.?!,:;\-]")
+
+
+def caption_words(text: str) -> list[str]:
+    """Lower-case, split words from punctuation, drop PTB's punctuation set; no Java needed."""
+    return _TOKEN.findall(text.lower())
 
 
 def simple_tokenize(text: str) -> str:
-    """Lower-case, split words from punctuation, drop PTB's punctuation set; no Java needed."""
-    toks = _TOKEN.findall(text.lower())
-    return " ".join(t for t in toks if t not in _PUNCT)
+    """``caption_words`` joined by spaces (the form pycocoevalcap's scorers take)."""
+    return " ".join(_TOKEN.findall(text.lower()))
 
 
 def ptb_tokenize(texts: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -82,19 +88,25 @@ def _pct(values: list[float], q: float) -> float:
 
 def repetition(text: str, n: int = 3) -> float:
     """Share of repeated word n-grams in one caption (0 = none repeated)."""
-    return word_repetition(simple_tokenize(text).split(), n)
+    return word_repetition(caption_words(text), n)
 
 
 def word_repetition(words: list[str], n: int = 3) -> float:
-    """``repetition`` of a caption's words (``simple_tokenize``'s)."""
-    grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
-    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
+    """``repetition`` of a caption's words (``caption_words``')."""
+    total = len(words) - n + 1
+    return 1.0 - len(set(zip(*(words[i:] for i in range(n))))) / total if total > 0 else 0.0
 
 
-def length_stats(captions: Iterable[str], finish_reasons: Iterable[str], n_failed: int) -> dict:
+def length_stats(
+    captions: Iterable[str],
+    finish_reasons: Iterable[str],
+    n_failed: int,
+    words: Optional[list[list[str]]] = None,
+) -> dict:
+    """``words``: each caption's ``caption_words``, when the caller has them already."""
     caps = list(captions)
     reasons = list(finish_reasons)
-    tokens = [simple_tokenize(c).split() for c in caps]
+    tokens = words if words is not None else [caption_words(c) for c in caps]
     words = [len(t) for t in tokens]
     chars = [len(c) for c in caps]
     vocab = {w for t in tokens for w in t}

@@ -12,6 +12,7 @@ and regression alert in the UI; the summary is the flow's persisted result.
 from __future__ import annotations
 
 from prefect import flow, runtime
+from prefect.utilities.annotations import opaque
 
 from captionflow.config import RunConfig
 from captionflow.results import RunSummary
@@ -37,7 +38,7 @@ def caption_flow(config: RunConfig) -> dict:
     checked = preflight_task(config)
     with results as stages:
         ing = ingest_task(config)
-        manifest = preprocess_task(ing, config)
+        manifest = preprocess_task(opaque(ing), config)  # opaque: the listing is not walked entry by entry
         captions = inference_task(config, manifest, checked)
         judged = judge_task(config, manifest, captions, checked) if config.judge else None
         paired = pairwise_task(config, manifest, captions, checked) if config.pairwise_against else None

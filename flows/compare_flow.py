@@ -17,6 +17,7 @@ import inspect
 
 from prefect import flow, get_run_logger, task
 from prefect.futures import wait
+from prefect.utilities.annotations import opaque
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
 from pydantic import Field
@@ -93,7 +94,7 @@ def _in_parallel(config: RunConfig, configs: list[RunConfig], resolved, parallel
 
     session = ray_session(config, pipelines=min(parallel, len(configs)))
     with stage_results(config.output):  # once, before the fan-out: every evaluation finds it done (Cached)
-        preprocess_task(ingest_task(config), config)
+        preprocess_task(opaque(ingest_task(config)), config)
     engine = resolve_engine(config, resolved[0], session.preset(config.device), session.gpus(), session.started_here)
     plan = fan_out(config, len(configs), parallel, session.gpus(), engine.engines_per_gpu * engine.front_ends)
     get_run_logger().info("evaluating %d checkpoints, %s", len(configs), plan.describe())

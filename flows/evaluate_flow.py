@@ -10,6 +10,7 @@ import inspect
 from typing import Optional
 
 from prefect import flow, runtime
+from prefect.utilities.annotations import opaque
 
 from captionflow.config import RunConfig
 from captionflow.external import external_name
@@ -35,7 +36,7 @@ def evaluate_captions(config: RunConfig, captions: str = "", name: Optional[str]
     config = config.model_copy(update={"model": external_name(captions, name)})
     with stage_results(config.output) as stages:
         ing = ingest_task(config)
-        manifest = preprocess_task(ing, config)
+        manifest = preprocess_task(opaque(ing), config)
         imported = import_captions_task(config, manifest, captions)
         scored = evaluate_task(config, manifest, imported, None, None)
     summary = RunSummary.build(ing, manifest, imported, scored, stages.records, stages.elapsed(), runtime.flow_run.id)

@@ -219,9 +219,15 @@ def test_flow_runs_recorded_by_prefect_api(demo_run):
         completed = {r.id for r in runs if r.state and r.state.is_completed()}
         assert len(completed) >= 2
         per_run: dict = {}
+        by_name: dict = {}
         for t in client.read_task_runs():
             if t.flow_run_id in completed:
                 per_run.setdefault(t.flow_run_id, {})[t.name.rsplit("-", 1)[0]] = t.state.name
+                by_name.setdefault(t.flow_run_id, {})[t.name.rsplit("-", 1)[0]] = t
+    # the listing goes to preprocess unwalked (opaque), and the UI still draws ingest -> preprocess
+    for tasks in by_name.values():
+        upstream = [i.id for i in tasks["preprocess"].task_inputs["ing"]]
+        assert upstream == [tasks["ingest"].id], (upstream, tasks["ingest"].id)
     fresh = [st for st in per_run.values() if st.get("inference") == "Completed"]
     reused = [st for st in per_run.values() if st.get("inference") == "Cached"]
     assert fresh and set(fresh[0]) >= {"ingest", "preprocess", "inference", "evaluate"}

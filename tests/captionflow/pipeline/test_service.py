@@ -31,6 +31,8 @@ def test_a_hold_that_is_not_renewed_lapses_and_the_next_run_gets_the_engines():
         assert "token" in second and not await c.renew(first)
         state = await c.describe()
         assert state["lapsed"] == 1 and state["last_lapsed"] == "run A" and state["holder"]["owner"] == "run B"
+        with pytest.raises(service.ServiceError, match="does not hold the warm engines"):
+            await c.swap(first, "/a/checkpoint", "fp")  # A's swap, had it come late, would not touch B's engines
         await c.release(second["token"])
         assert (await c.describe())["holder"] is None
 
