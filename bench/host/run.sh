@@ -2,12 +2,15 @@
 # The GPU benchmark on the offline GPU host (shared/GPU-HOST.md), from the wheelhouse parts of
 # infra/wheelhouse/build_wheelhouse.sh already copied to PARTS_DIR; installs once into /tmp/cf-site.
 #   bench/host/run.sh PARTS_DIR [NAME=VALUE ...] [bench/gpu_throughput.py options]
-#   (leading NAME=VALUE words: environment for this run, e.g. VLLM_USE_V2_MODEL_RUNNER=0; the engines inherit it)
+#   (NAME=VALUE words: environment for this run, e.g. VLLM_USE_V2_MODEL_RUNNER=0; the engines inherit it)
 # Results: $BENCH_WORK/gpu_throughput.json (default /tmp/cf-bench; and $OUT/ with the phases' logs, when OUT is set).
 set -uo pipefail
 PARTS=${1:?parts folder}
 shift
-while [[ $# -gt 0 && $1 =~ ^[A-Z_][A-Z0-9_]*= ]]; do export "$1"; shift; done
+# NAME=VALUE words anywhere among the options: this run's environment
+args=()
+for x in "$@"; do if [[ $x =~ ^[A-Z_][A-Z0-9_]*= ]]; then export "$x"; else args+=("$x"); fi; done
+set -- "${args[@]}"
 source bench/host/env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 WORK=${BENCH_WORK:-/tmp/cf-bench}
