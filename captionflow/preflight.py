@@ -187,8 +187,8 @@ def check_ranges(cfg: RunConfig, model: ResolvedModel, engine: EngineSettings) -
         raise OptionError(f"max_model_len {max_len} is more than the model's max_position_embeddings {positions}")
     image_tokens = engine.max_pixels // (factor * factor)
     text = cfg.system_prompt + "\n" + cfg.prompt
-    # a token stands for at least one byte of text: the prompt's bytes bound its tokens, and the tokenizer (a
-    # ~10 MB file for Qwen2-VL's, 0.4-0.7 s to load) is read only when that bound does not fit
+    # a token stands for at least one byte of text: the prompt's bytes bound its tokens, and the tokenizer (for
+    # Qwen2-VL a 10 MB file, slow to load on every run's critical path) is read only when that bound does not fit
     need = image_tokens + len(text.encode("utf-8")) + 16 + cfg.max_tokens  # + the chat template's
     if max_len and need > max_len:
         need = image_tokens + _count_tokens(model, text) + 16 + cfg.max_tokens

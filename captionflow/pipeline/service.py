@@ -200,7 +200,7 @@ class ServiceController:
 
         The controller does it, not the run's driver: its handles to the engines are made (and Ray Serve imported)
         once, when the engines are, so the reload reaches them with this call; a driver would first import Ray Serve
-        and make its handles (1-2 s of every warm verdict on the H100 host)."""
+        and make handles of its own, on the critical path of every warm verdict."""
         import asyncio
 
         if not self.holder or self.holder["token"] != token:
