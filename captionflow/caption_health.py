@@ -68,13 +68,11 @@ def faults(caption: str, prompts: Iterable[str] = (), words: Optional[list[str]]
     if _REASONING.search(lowered):
         found.append("reasoning_leak")
     cap_words = words if words is not None else caption_words(caption)
-    joined_cap = None
+    joined_cap = " ".join(cap_words)
     for p_words in (_prompt_words(p) for p in prompts):
         if not p_words or not cap_words:
             continue
         overlap = sum(1 for a, b in zip(cap_words, p_words) if a == b) / len(p_words)
-        if overlap < 0.8:
-            joined_cap = joined_cap if joined_cap is not None else " ".join(cap_words)
         if overlap >= 0.8 or " ".join(p_words) in joined_cap:
             found.append("prompt_echo")
             break

@@ -20,7 +20,7 @@ def caption_words(text: str) -> list[str]:
 
 def simple_tokenize(text: str) -> str:
     """``caption_words`` joined by spaces (the form pycocoevalcap's scorers take)."""
-    return " ".join(_TOKEN.findall(text.lower()))
+    return " ".join(caption_words(text))
 
 
 def ptb_tokenize(texts: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -107,7 +107,7 @@ def length_stats(
     caps = list(captions)
     reasons = list(finish_reasons)
     tokens = words if words is not None else [caption_words(c) for c in caps]
-    words = [len(t) for t in tokens]
+    word_counts = [len(t) for t in tokens]
     chars = [len(c) for c in caps]
     vocab = {w for t in tokens for w in t}
     n = len(caps)
@@ -124,7 +124,7 @@ def length_stats(
 
     return {
         "n_captions": n,
-        "words": dist(words),
+        "words": dist(word_counts),
         "chars": dist(chars),
         "empty_rate": sum(1 for c in caps if not c.strip()) / n if n else 0.0,
         "truncated_rate": sum(1 for r in reasons if r == "length") / n if n else 0.0,

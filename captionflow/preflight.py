@@ -189,14 +189,14 @@ def check_ranges(cfg: RunConfig, model: ResolvedModel, engine: EngineSettings) -
     text = cfg.system_prompt + "\n" + cfg.prompt
     # a token stands for at least one byte of text: the prompt's bytes bound its tokens, and the tokenizer (for
     # Qwen2-VL a 10 MB file, slow to load on every run's critical path) is read only when that bound does not fit
-    need = image_tokens + len(text.encode("utf-8")) + 16 + cfg.max_tokens  # + the chat template's
-    if max_len and need > max_len:
-        need = image_tokens + _count_tokens(model, text) + 16 + cfg.max_tokens
+    prompt_tokens = len(text.encode("utf-8")) + 16  # + the chat template's
+    if max_len and image_tokens + prompt_tokens + cfg.max_tokens > max_len:
+        prompt_tokens = _count_tokens(model, text) + 16
+    need = image_tokens + prompt_tokens + cfg.max_tokens
     if max_len and need > max_len:
         raise OptionError(
             f"max_model_len {max_len} is too small: one request needs about {need} tokens (image up to "
-            f"{image_tokens} at max_pixels {engine.max_pixels}, prompt {need - image_tokens - cfg.max_tokens}, "
-            f"max_tokens {cfg.max_tokens})"
+            f"{image_tokens} at max_pixels {engine.max_pixels}, prompt {prompt_tokens}, max_tokens {cfg.max_tokens})"
         )
 
 
