@@ -499,7 +499,7 @@ def drain_full_queue(llm, inputs: list, params) -> dict:
 def _run_config(a: argparse.Namespace, output: str):
     from captionflow.config import RunConfig
 
-    layout = {"engines_per_gpu": a.engines_per_gpu, "front_ends": a.front_ends}
+    layout = {"engines_per_gpu": a.engines_per_gpu}
     extra = {**json.loads(a.pipeline_config), **{k: v for k, v in layout.items() if v}}
     # the pipeline's own engine arguments (not the raw engine's) on top of those every phase gets
     engine_kwargs = {**json.loads(a.engine_kwargs), **extra.pop("engine_kwargs", {})}
@@ -565,8 +565,6 @@ def phase_stage(a: argparse.Namespace) -> dict:
             "output_tokens": out_tok,
             "engines": engine.concurrency,
             "engines_per_gpu": engine.engines_per_gpu,
-            "front_ends": engine.front_ends,
-            "render_actors": engine.render_actors,
             "batch_size": engine.batch_size,
             "max_concurrent_batches": engine.max_concurrent_batches,
             "max_pending_requests": max_pending_requests(engine),
@@ -617,13 +615,11 @@ def flow_command(a: argparse.Namespace, images: str, out: Path, model: str, summ
 
 
 def layout_options(a: argparse.Namespace) -> list:
-    """The engine layout's options (engines per GPU, front ends, more run parameters as a config file): the same
+    """The engine layout's options (engines per GPU, more run parameters as a config file): the same
     for a run and for the warm service it uses (else the run would not match the service's engines)."""
     cmd = []
     if a.engines_per_gpu:
         cmd += ["--engines-per-gpu", str(a.engines_per_gpu)]
-    if a.front_ends:
-        cmd += ["--front-ends", str(a.front_ends)]
     if json.loads(a.pipeline_config):  # a YAML config file (JSON is YAML); the options above win
         extra = Path(a.work) / f"flow-config-{hashlib.sha256(a.pipeline_config.encode()).hexdigest()[:8]}.yaml"
         extra.write_text(a.pipeline_config)
@@ -1084,8 +1080,6 @@ def run_phase(name: str, a: argparse.Namespace, sampler: GpuSampler) -> dict:
     ]
     if a.engines_per_gpu:
         cmd += ["--engines-per-gpu", str(a.engines_per_gpu)]
-    if a.front_ends:
-        cmd += ["--front-ends", str(a.front_ends)]
     if not a.ceiling:
         cmd += ["--no-ceiling"]
     t0 = time.time()
@@ -1138,7 +1132,6 @@ def main() -> int:
     )
     ap.add_argument("--max-image-side", type=int, default=640, help="preprocess bound (B, C); 640 keeps 640x480")
     ap.add_argument("--engines-per-gpu", type=int, help="whole engines per GPU (default: one)")
-    ap.add_argument("--front-ends", type=int, help="front ends per engine core (default: the GPU preset's sizing)")
     ap.add_argument("--engine-kwargs", default="{}", help="extra vLLM kwargs (JSON), all phases")
     ap.add_argument(
         "--engine-stats",
@@ -1228,7 +1221,6 @@ def main() -> int:
             "engine_kwargs": json.loads(a.engine_kwargs),
             "pipeline_config": json.loads(a.pipeline_config),
             "engines_per_gpu": a.engines_per_gpu,
-            "front_ends": a.front_ends,
             "cuda_mps": a.cuda_mps,
         },
         # vLLM environment variables of the run (e.g. VLLM_USE_V2_MODEL_RUNNER=0): the engines inherit them

@@ -99,7 +99,7 @@ class RunConfig(BaseModel):
         ge=1,
         title="Engine replicas",
         description="Engine-stage actors. Default: on GPU, every GPU of the Ray cluster (divided by "
-        "tensor_parallel_size) times engines_per_gpu (or front_ends); on CPU, front_ends.",
+        "tensor_parallel_size) times engines_per_gpu; on CPU, 1.",
     )
     engines_per_gpu: Optional[int] = Field(
         None,
@@ -108,25 +108,6 @@ class RunConfig(BaseModel):
         title="Engine replicas per GPU",
         description="Default: as many as fit in 90% of the GPU's memory (weights + fixed KV cache + overhead), "
         "at most the GPU preset's 4. More engines spread image processing over more processes.",
-    )
-    front_ends: Optional[int] = Field(
-        None,
-        ge=1,
-        le=16,
-        title="Front ends per engine",
-        description="Processes that prepare requests (image processing, tokenising) for one vLLM engine core "
-        "per GPU: Ray Data LLM engine-stage actors that share the engine (instead of engines_per_gpu whole "
-        "engines). Default 1: each actor has its own engine (docs/sizing.md).",
-    )
-    render_actors: Optional[int] = Field(
-        None,
-        ge=0,
-        le=64,
-        title="Request renderers",
-        description="CPU actors that render each request for the engine (tokenising, the model's image processor) "
-        "before the engine stage, so that an engine's front end only forwards what they made (the warm engine "
-        "service runs as many renderers beside its engines); 0: every engine's front end renders its own requests. "
-        "Default: the preset's (docs/sizing.md).",
     )
     gpu_memory_gib: Optional[float] = Field(
         None,
@@ -345,8 +326,6 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "batch_size",
         "concurrency",
         "engines_per_gpu",
-        "front_ends",
-        "render_actors",
         "gpu_memory_gib",
         "cuda_mps",
         "max_concurrent_batches",

@@ -301,17 +301,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     checked = _flow_call(preflight, cfg=cfg.model_copy(update={"warm_engines": "off"}), prewarm_imports=False)
     preset = PRESETS[checked.engine.preset.name]
-    # a local Ray with room for the service's engines and renderers beside a whole run's pipeline
-    settings, engines = checked.engine.service_engines()
-    cpus = cfg.ray_num_cpus or local_ray_cpus(preset, 1) + math.ceil(
-        engines * preset.engine_cpus + settings.render_actors * preset.cpu_stage_cpus
-    )
+    # a local Ray with room for the service's engines beside a whole run's pipeline
+    _, engines = checked.engine.service_engines()
+    cpus = cfg.ray_num_cpus or local_ray_cpus(preset, 1) + math.ceil(engines * preset.engine_cpus)
     session = ray_session(cfg.model_copy(update={"ray_num_cpus": cpus, "warm_engines": "off"}))
     service.start_service(checked.model, checked.engine, args.idle_timeout, session.address)
-    renderers = settings.render_actors
     print(
         f"warm engines ready: {checked.model.source} ({checked.engine.preset.name}, {engines} engine"
-        f"{'s' if engines > 1 else ''}{f', {renderers} renderers' if renderers else ''}); runs use them while this "
+        f"{'s' if engines > 1 else ''}); runs use them while this "
         "runs; stop with: captionflow serve --stop",
         flush=True,
     )

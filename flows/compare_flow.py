@@ -96,7 +96,7 @@ def _in_parallel(config: RunConfig, configs: list[RunConfig], resolved, parallel
     with stage_results(config.output):  # once, before the fan-out: every evaluation finds it done (Cached)
         preprocess_task(opaque(ingest_task(config)), config)
     engine = resolve_engine(config, resolved[0], session.preset(config.device), session.gpus(), session.started_here)
-    plan = fan_out(config, len(configs), parallel, session.gpus(), engine.engines_per_gpu * engine.front_ends)
+    plan = fan_out(config, len(configs), parallel, session.gpus(), engine.engines_per_gpu)
     get_run_logger().info("evaluating %d checkpoints, %s", len(configs), plan.describe())
     if plan.concurrency:
         configs = [c.model_copy(update={"concurrency": plan.concurrency}) for c in configs]

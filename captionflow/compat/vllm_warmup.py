@@ -67,17 +67,6 @@ def _prebuilds_done() -> None:
             thread.join()
 
 
-def processor_ready(renderer) -> None:
-    """Return once ``renderer``'s HF processor is built: the pre-build of ``start_warmup`` waited for where one
-    runs, else built now. For a process whose first request comes at once (the render actors of
-    ``pipeline/render_stage.py``): that request would otherwise build it alongside the pre-build - vLLM's cache does
-    not hold one build back for another, and on the loaded GPU host each took 80-98 s."""
-    _prebuilds_done()
-    mm = getattr(renderer, "mm_processor", None)
-    if mm is not None:
-        mm.info.get_hf_processor()  # from vLLM's cache once built
-
-
 def _wrap_init(cls, after=None, *, before=None) -> None:
     """``cls.__init__`` calls ``before(self)`` first and ``after(self)`` last (once patched, never again)."""
     init = cls.__init__
@@ -152,19 +141,13 @@ def render_off_loop(cls) -> None:
     wait: on the H100, one engine per GPU reached 105 images/s where the engine drains 528). Rendering
     through the renderer's async path (``render_cmpl_async``, vLLM's own non-deprecated route) runs it on the
     renderer's thread pool (``renderer_num_workers`` threads) and hands the engine the rendered input, which
-    it accepts as is. Where the front end lacks that path, requests go as before. A request rendered before the
-    engine stage (``workers/rendered_requests``, ``render_actors``) goes to the engine as it came."""
-    from captionflow.workers.rendered_requests import rendered_input
-
+    it accepts as is. Where the front end lacks that path, requests go as before."""
     add_request = cls.add_request
 
     @functools.wraps(add_request)
     async def add_request_rendered(self, request_id, prompt, params, *args, **kwargs):
         renderer = getattr(self, "renderer", None)
-        rendered = rendered_input(prompt)
-        if rendered is not None:
-            prompt = rendered
-        elif (
+        if (
             isinstance(prompt, dict)
             and "type" not in prompt
             and not kwargs.get("tokenization_kwargs")
@@ -178,17 +161,11 @@ def render_off_loop(cls) -> None:
 
 def patch_engine_stage(module) -> bool:
     """Ray Data LLM's engine stage actor prestarts its engine core's process (``core_prestart``) as it imports the
-    stage's module, before vLLM (``BEFORE_IMPORT``), or else first thing in the stage's constructor; a UDF class that
-    attaches to a core started elsewhere says so with ``captionflow_own_core = False``."""
+    stage's module, before vLLM (``BEFORE_IMPORT``), or else first thing in the stage's constructor."""
     cls = getattr(module, "vLLMEngineStageUDF", None)
     if cls is not None and not getattr(cls, "_captionflow_patched", False):
-        _wrap_init(cls, before=_prestart_own_core)
+        _wrap_init(cls, before=lambda _udf: core_prestart.prestart())
     return cls is not None
-
-
-def _prestart_own_core(udf) -> None:
-    if getattr(udf, "captionflow_own_core", True):
-        core_prestart.prestart()
 
 
 ACCEPTING = "vLLM engine accepting requests at"

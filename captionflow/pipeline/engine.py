@@ -7,10 +7,7 @@ Layouts (GPU preset). Engines per GPU: one vLLM engine does its multimodal input
 process; the GPU preset runs ``engines_per_gpu`` replicas per GPU (each a Ray actor holding ``1/k`` of the
 GPU, a fixed KV cache and ``gpu_memory_utilization`` 0.9/k, under CUDA MPS when captionflow started Ray
 itself) so that k front ends feed the GPU. k = as many as fit in 90% of the GPU's memory at (weights + fixed
-KV cache + overhead) each, at most the preset's ``max_engines_per_gpu``. Front ends (``front_ends`` > 1):
-one engine core per GPU with the GPU's memory, fed by that many Ray Data LLM engine-stage actors, each holding
-``1/front_ends`` of the GPU in Ray's books so that Ray places that many on each GPU
-(``pipeline/shared_core.py``); the core reads the weights once per step for all of them.
+KV cache + overhead) each, at most the preset's ``max_engines_per_gpu``.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ class EngineSettings:
     preset: Preset
     batch_size: int  # rows per Ray Data batch
     max_concurrent_batches: int  # batches in flight per engine replica
-    concurrency: int  # engine-stage actors (engines x front ends)
+    concurrency: int  # engine-stage actors (engines)
     engines_per_gpu: int
     gpu_share: float  # of one GPU per engine-stage actor (0 on CPU)
     max_pixels: int  # the image processor's pixel budget
@@ -47,28 +44,22 @@ class EngineSettings:
     # engine_kwargs as one engine alone on its GPU would have them (None: this is one alone already)
     solo_engine_kwargs: dict[str, Any] | None = None
     engine_metrics: bool = False  # vLLM engine metrics exported through Ray's Prometheus endpoint
-    front_ends: int = 1  # engine-stage actors sharing one engine core (shared_core.py); 1: each its own engine
-    render_actors: int = 0  # CPU actors rendering requests before the engine stage (render_stage.py); 0: none
 
     def service_engines(self) -> tuple[EngineSettings, int]:
         """The warm service's engines: these settings and how many long-lived replicas hold them - the run's own
-        layout (``engines_per_gpu`` per GPU, each its own front end), since a warm run captions through them as
-        fast as a cold run's engines would; front ends sharing an engine core are not something a replica can
-        hold, so with ``front_ends`` > 1 one engine per GPU. With ``render_actors``, the service runs that many
-        renderers beside them (``engine_server.CaptionRenderer``), as a run runs render actors."""
-        one = self.single_engine() if self.front_ends > 1 else self
-        return one, max(1, one.concurrency)
+        layout (``engines_per_gpu`` per GPU), since a warm run captions through them as fast as a cold run's
+        engines would."""
+        return self, max(1, self.concurrency)
 
     def single_engine(self) -> EngineSettings:
         """These settings for one engine per GPU with its own front end."""
-        if self.solo_engine_kwargs is None and self.front_ends == 1:
+        if self.solo_engine_kwargs is None:
             return self
         return replace(
             self,
             engines_per_gpu=1,
-            front_ends=1,
             gpu_share=1.0,
-            concurrency=max(1, round(self.concurrency / self.engines_per_gpu / self.front_ends)),
+            concurrency=max(1, round(self.concurrency / self.engines_per_gpu)),
             mps="off",
             engine_kwargs=copy.deepcopy(self.solo_engine_kwargs or self.engine_kwargs),
             solo_engine_kwargs=None,
@@ -76,8 +67,7 @@ class EngineSettings:
 
     @property
     def actor_cpus(self) -> float:
-        """Logical CPUs of each engine-stage actor (an engine, or one front end of a shared engine core: a front
-        end does the request work of a whole engine, so it gets an engine's CPUs and image threads)."""
+        """Logical CPUs of each engine-stage actor."""
         return self.preset.engine_cpus
 
     @property
@@ -133,19 +123,11 @@ def resolve_engine(
     machine's, so CUDA MPS can be started here)."""
     max_pixels = cfg.max_pixels or preset.max_pixels
     k, share, layout_kwargs, mps = 1, 0.0, {}, "off"
-    front_ends = 1 if cfg.tensor_parallel_size > 1 else (cfg.front_ends or 1)  # a TP engine: Ray's executor
     if preset.engine_gpus:
         gpu_mem = int(cfg.gpu_memory_gib * 2**30) if cfg.gpu_memory_gib else (local_gpu_memory_bytes() or 80 * 2**30)
-        k = 1
-        if front_ends == 1:
-            k = engines_per_gpu(
-                preset, model_weight_bytes(model.path), gpu_mem, cfg.tensor_parallel_size, cfg.engines_per_gpu
-            )
-        elif cfg.engines_per_gpu and cfg.engines_per_gpu > 1:
-            raise ValueError(
-                f"engines_per_gpu {cfg.engines_per_gpu} with front_ends {front_ends}: front ends share one engine "
-                "per GPU; choose one or the other"
-            )
+        k = engines_per_gpu(
+            preset, model_weight_bytes(model.path), gpu_mem, cfg.tensor_parallel_size, cfg.engines_per_gpu
+        )
         if k > 1:
             # Each engine checks at start that its share of the GPU is free, and gets a fixed KV cache
             # instead of profiling "the rest of the GPU" (which the other engines are filling meanwhile).
@@ -155,11 +137,10 @@ def resolve_engine(
             }
             if local_ray:  # the GPUs are this machine's: run the engines under CUDA MPS
                 mps = cfg.cuda_mps
-        share = 1.0 / (k * front_ends)
-        concurrency = cfg.concurrency or max(1, gpus // cfg.tensor_parallel_size) * k * front_ends
+        share = 1.0 / k
+        concurrency = cfg.concurrency or max(1, gpus // cfg.tensor_parallel_size) * k
     else:
-        concurrency = cfg.concurrency or preset.concurrency * front_ends
-    render_actors = preset.render_actors if cfg.render_actors is None else cfg.render_actors
+        concurrency = cfg.concurrency or preset.concurrency
     renderer = preset.renderer_workers or renderer_workers(gpus, local_ray)
     engine_metrics = cfg.metrics_port is not None or not local_ray
     base_kwargs: dict[str, Any] = {
@@ -204,8 +185,6 @@ def resolve_engine(
         image_grid=image_grid(model.path, max_pixels),
         solo_engine_kwargs=final({}) if layout_kwargs else None,
         engine_metrics=engine_metrics,
-        front_ends=front_ends,
-        render_actors=render_actors,
     )
 
 
@@ -256,9 +235,9 @@ def engine_env(cfg: RunConfig) -> dict[str, str]:
     Inductor makes of the functions vLLM compiles outside its graphs (its sampler's) under Inductor's: all three go
     to ``compile_cache_dir`` when it is set, so that a fresh node finds them there.
     ``mm_tensor_ipc: torch_shm`` in ``engine_kwargs`` is refused by vLLM's config check unless the start method
-    is said to be ``spawn``: what vLLM uses from a Ray actor anyway (the shared-core host of ``front_ends``,
-    not a Ray actor, forks otherwise, so it is said only then). The engines' warm-up samples with the run's
-    sampling settings (``compat/sampler_warmup``): only the sampler kernels its requests run are compiled at start."""
+    is said to be ``spawn``: what vLLM uses from a Ray actor anyway, so it is said only then. The engines'
+    warm-up samples with the run's sampling settings (``compat/sampler_warmup``): only the sampler kernels its
+    requests run are compiled at start."""
     from captionflow.compat import sampler_warmup
 
     env = sampler_warmup.environment({"temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed})

@@ -9,12 +9,6 @@ runs (``pipeline/service.py``) and swaps checkpoints of the same architecture in
 ``reload_weights``; ``weights_digest`` reads back a slice of the loaded embedding so a swap is checked
 against the checkpoint's file before use. A run hands it its request rows a block at a time (``caption_block``;
 ``warm_feed.py``). Every row it returns carries the fingerprint of the checkpoint that produced it (``served_by``).
-
-With ``render_actors``, the service also runs that many ``CaptionRenderer`` replicas (CPU processes, each with
-vLLM's renderer built from the engines' own arguments once, as a run's render stage has): an engine hands each
-batch to one of them first and gives its engine the rendered requests (``workers/rendered_requests``), so that its
-front end, one process per engine, only forwards them. A batch the renderers cannot take is rendered by the front end
-as before.
 """
 
 from __future__ import annotations
@@ -27,7 +21,6 @@ from typing import Any, Optional
 
 DATA = "__data"  # Ray Data LLM's Processor.DATA_COLUMN
 PAYLOAD = ("multimodal_data", "prompt")  # what a run does not need back
-RENDERER = "caption-renderer"  # the renderers' deployment, in the application service.RENDER_APP
 DIGEST_ROWS = 64  # embedding rows compared after a swap
 # Testing hook: seconds each swap takes longer (set in the service's environment), so that a run's first requests
 # are built while its checkpoint is still being swapped in.
@@ -74,36 +67,10 @@ def weights_problem(model_path: str, loaded: tuple[str, str]) -> Optional[str]:
     return None if got == want else f"the engine's embedding ({got[:12]}) is not {model_path}'s ({want[:12]})"
 
 
-class CaptionRenderer:
-    """A Ray Serve deployment class: renders request rows for the engines (``render_actors`` of them)."""
-
-    def __init__(self, model_path: str, engine_kwargs: dict[str, Any]):
-        from captionflow.compat.vllm_warmup import processor_ready
-        from captionflow.workers.rendered_requests import build_renderer
-
-        self.renderer = build_renderer(model_path, engine_kwargs)
-        processor_ready(self.renderer)
-
-    def render_rows(self, rows: list[dict[str, Any]]) -> list[Optional[dict[str, bytes]]]:
-        """Each row's ``multimodal_data`` rendered (None for a row that cannot be: its front end renders it, and says
-        why it cannot)."""
-        from captionflow.workers.rendered_requests import render_row
-
-        out: list[Optional[dict[str, bytes]]] = []
-        for row in rows:
-            try:
-                out.append(render_row(self.renderer, row))
-            except Exception:
-                out.append(None)
-        return out
-
-
 class CaptionEngine:
     """A Ray Serve deployment class: a run's processor stages, kept warm between runs."""
 
-    def __init__(self, model_path: str, model_fingerprint: str, engine, render_app: Optional[str] = None):
-        from dataclasses import replace
-
+    def __init__(self, model_path: str, model_fingerprint: str, engine):
         from captionflow.compat import vllm_warmup
 
         # A Serve replica does not run the job's worker setup hook: without it the first request of a new
@@ -112,8 +79,7 @@ class CaptionEngine:
         from captionflow.pipeline.processor import build_vlm_processor
 
         t0 = time.perf_counter()
-        # the service's renderers render (render_app), not a stage of this replica's own
-        processor = build_vlm_processor(replace(engine, render_actors=0), model_path, preprocess=None, postprocess=None)
+        processor = build_vlm_processor(engine, model_path, preprocess=None, postprocess=None)
         self.udfs = []
         for stage in processor.stages.values():
             kwargs = stage.get_dataset_map_batches_kwargs(batch_size=engine.batch_size, data_column=DATA)
@@ -122,29 +88,6 @@ class CaptionEngine:
         self.model_path, self.model_fingerprint = model_path, model_fingerprint
         self.started_s = round(time.perf_counter() - t0, 2)
         self.rows = 0  # rows captioned since the replica started
-        self.render_app, self.renderer = render_app, None
-        self.rendered = 0  # of them, rows the renderers rendered
-        self.render_error = ""  # why the renderers could not take a batch, the first time
-
-    async def _render(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """``rows`` with their requests rendered by the service's renderers, those that could be."""
-        from captionflow.workers.worker_log import say
-
-        if self.renderer is None:
-            from ray import serve
-
-            self.renderer = serve.get_deployment_handle(RENDERER, self.render_app)
-        try:
-            got = await self.renderer.render_rows.remote(
-                [{"prompt": r["prompt"], "multimodal_data": r["multimodal_data"]} for r in rows]
-            )
-        except Exception as e:  # the front end renders this batch itself
-            if not self.render_error:
-                self.render_error = f"{type(e).__name__}: {str(e)[:300]}"
-                say(f"the renderers could not take a batch; the engine renders: {self.render_error}")
-            return rows
-        self.rendered += sum(m is not None for m in got)
-        return [r if m is None else {**r, "multimodal_data": m} for r, m in zip(rows, got)]
 
     async def caption_block(self, blocks: list) -> list[dict[str, Any]]:
         """A block of a run's request rows (``blocks``: its object reference, in a list so that it reaches this
@@ -157,8 +100,6 @@ class CaptionEngine:
         served_by = self.model_fingerprint
         block = await blocks[0]
         rows = BlockAccessor.for_block(block).to_batch_format("default")[DATA].tolist()
-        if self.render_app and rows:
-            rows = await self._render(rows)
         for udf in self.udfs:
             async for out in udf({DATA: rows}):
                 rows = out[DATA]
@@ -199,6 +140,4 @@ class CaptionEngine:
             "model_fingerprint": self.model_fingerprint,
             "started_s": self.started_s,
             "rows": self.rows,
-            "rendered": self.rendered,
-            **({"render_error": self.render_error} if self.render_error else {}),
         }

@@ -11,9 +11,7 @@ core's busy loop is CPU-bound: ~230 images/s at 224 px with an H100 ~75% busy, a
 prepares only ~120 images/s), while four under CUDA MPS keep it ~98% busy at ~1.1x that ceiling. Images reach the
 engines already fitted to the model's patch grid by Ray Data's CPU stages spread over the host. The rule
 and the measurements are in docs/sizing.md; ``engines_per_gpu`` overrides it. The warm engine service
-runs the same layout (``EngineSettings.service_engines``). ``front_ends`` instead runs one engine per GPU
-fed by several front-end processes (``pipeline/shared_core.py``); measured behind this layout so far
-(docs/sizing.md), so it is not the default.
+runs the same layout (``EngineSettings.service_engines``).
 """
 
 from __future__ import annotations
@@ -55,9 +53,6 @@ class Preset:
     # Threads of the engine front end that process images (vLLM's renderer_num_workers); 0: one per two of
     # the host's cores per GPU, between 2 and 16.
     renderer_workers: int = 1
-    # CPU actors that render requests before the engine stage (pipeline/render_stage.py), each declaring
-    # cpu_stage_cpus; 0: the engines' front ends render (with renderer_workers threads each).
-    render_actors: int = 0
 
 
 CPU = Preset(
@@ -131,13 +126,11 @@ PRESETS = {"cpu": CPU, "gpu": GPU}
 N_MAP_TASKS = 5
 
 
-def pipeline_cpus(preset: Preset, concurrency: int, render_actors: int | None = None) -> float:
+def pipeline_cpus(preset: Preset, concurrency: int) -> float:
     """Sum of the logical CPUs every stage of the inference pipeline declares (CPU stages at full size)."""
     n_cpu_stages = 2 if preset.tokenize_in_ray else 0  # tokenize + detokenize (requests come rendered)
-    renderers = preset.render_actors if render_actors is None else render_actors
     return (
         n_cpu_stages * preset.cpu_stage_concurrency * preset.cpu_stage_cpus
-        + renderers * preset.cpu_stage_cpus
         + N_MAP_TASKS * preset.map_cpus
         + concurrency * preset.engine_cpus
     )
@@ -177,9 +170,7 @@ def engines_per_gpu(
     return max(1, min(preset.max_engines_per_gpu, int(0.9 * gpu_memory_bytes // per_engine)))
 
 
-def local_ray_cpus(
-    preset: Preset, concurrency: int, override: int | None = None, render_actors: int | None = None
-) -> int:
+def local_ray_cpus(preset: Preset, concurrency: int, override: int | None = None) -> int:
     if override:
         return override
-    return max(os.cpu_count() or 1, math.ceil(pipeline_cpus(preset, concurrency, render_actors)) + 1)
+    return max(os.cpu_count() or 1, math.ceil(pipeline_cpus(preset, concurrency)) + 1)

@@ -1,14 +1,13 @@
 """The Ray Data LLM pipeline of one LLM stage: the rows still to do in, fixed-schema result rows out.
 
     read the pending rows of each dataset shard -> re-block
-    -> build_processor: [preprocess (requests ready for the engine) (-> TokenizeStage) (-> RenderStage)
+    -> build_processor: [preprocess (requests ready for the engine) (-> TokenizeStage)
        -> vLLMEngineStage (-> DetokenizeStage) -> postprocess] -> fixed schema
 
 Shared by captioning and the LLM judge; the row functions (``captionflow.workers.llm_rows``) decide
 the task. The requests come ready for the engine stage - a rendered prompt and an image array
 (``request_format.py``) - so Ray Data LLM's multimodal-preparation and chat-template stages are off: no
-actor per stage that imports vLLM or transformers, no image decoded twice. With ``render_actors``, CPU actors
-render them further, into what the engine's front end would make of them (``render_stage.py``). Every stage
+actor per stage that imports vLLM or transformers, no image decoded twice. Every stage
 declares its share (``presets.py``), and rows that fail individually come out with ``__inference_error__``
 instead of failing the batch (``should_continue_on_error``).
 """
@@ -109,11 +108,10 @@ def build_vlm_processor(
     if preset.engine_gpus == 0:
         # Without this, the engine actor asks Ray for one GPU per replica and never starts on CPU.
         extra["placement_group_config"] = {"bundles": [{"CPU": cpus}] * engine.tensor_parallel_size}
-    elif engine.gpu_share < 1:  # several actors per GPU: whole engines, or front ends of one engine core
+    elif engine.gpu_share < 1:  # several engines per GPU
         extra["placement_group_config"] = {"bundles": [{"CPU": cpus, "GPU": engine.gpu_share}]}
-    if preset.engine_gpus or engine.front_ends > 1:
-        # Start every replica at once: an engine takes a minute to start, too slow to autoscale into (and the
-        # front ends of one engine core all attach to it as it starts).
+    if preset.engine_gpus:
+        # Start every replica at once: an engine takes a minute to start, too slow to autoscale into.
         concurrency = (concurrency, concurrency)
     if preset.max_tasks_in_flight_per_actor:
         extra["max_tasks_in_flight_per_actor"] = max(
@@ -143,22 +141,13 @@ def build_vlm_processor(
     with keep_sigterm(), without_vllm():  # building a processor calls ray.init again; no vLLM in the driver
         if warm is not None:  # the same settings; the stages run warm in the service's replica (warm_feed.py)
             return _warm_processor(config, warm, engine, preprocess, postprocess, map_kwargs)
-        processor = build_processor(
+        return build_processor(
             config,
             preprocess=preprocess,
             postprocess=postprocess,
             preprocess_map_kwargs=map_kwargs,
             postprocess_map_kwargs=map_kwargs,
         )
-    if engine.front_ends > 1:
-        from captionflow.pipeline.shared_core import share_engine_cores
-
-        share_engine_cores(processor, engine.front_ends, extra.get("placement_group_config"))
-    if engine.render_actors:
-        from captionflow.pipeline.render_stage import render_before_engines
-
-        render_before_engines(processor, engine, model_path, {**WORKER_ENV, **engine.env})
-    return processor
 
 
 def _warm_processor(config, warm, engine: EngineSettings, preprocess, postprocess, map_kwargs: dict):

@@ -49,7 +49,6 @@ log = logging.getLogger("captionflow.service")
 
 APP = "captionflow"
 ENGINE = "caption-engine"
-RENDER_APP = f"{APP}-render"  # the renderers (render_actors), one application beside the engines'
 CONTROLLER = "captionflow-service"
 NAMESPACE = "captionflow"
 
@@ -232,7 +231,7 @@ class ServiceController:
         if not self.state["stopped"]:
             self.state["stopped"] = True
             self.state["stopped_why"] = why
-            for app in [*self.state["apps"], RENDER_APP]:
+            for app in self.state["apps"]:
                 try:
                     serve.delete(app)  # the engine's replica ends: its GPU share and CPUs are free
                 except Exception:
@@ -249,15 +248,14 @@ def app_names(n: int) -> list[str]:
     return [f"{APP}-{i}" for i in range(n)]
 
 
-def _deploy(model: ResolvedModel, engine: EngineSettings, apps: list[str], renderers: bool = False) -> float:
+def _deploy(model: ResolvedModel, engine: EngineSettings, apps: list[str]) -> float:
     """Deploy (or replace) the engines of ``apps`` with ``model`` and ``engine`` (``service_engines``' settings),
-    and with ``renderers`` the service's ``engine.render_actors`` renderers, all at once; returns seconds until every
-    one is ready."""
+    all at once; returns seconds until every one is ready."""
     from ray import serve
     from ray.serve.api import RunTarget
 
     from captionflow.compat.cuda_mps import ensure_mps
-    from captionflow.pipeline.engine_server import RENDERER, CaptionEngine, CaptionRenderer
+    from captionflow.pipeline.engine_server import CaptionEngine
 
     t0 = time.perf_counter()
     preset = engine.preset
@@ -280,24 +278,8 @@ def _deploy(model: ResolvedModel, engine: EngineSettings, apps: list[str], rende
         health_check_timeout_s=300,
         graceful_shutdown_timeout_s=5,
     )
-    app = deployment.bind(model.path, model.fingerprint, engine, RENDER_APP if engine.render_actors else None)
+    app = deployment.bind(model.path, model.fingerprint, engine)
     targets = [RunTarget(target=app, name=name, route_prefix=None) for name in apps]
-    if renderers and engine.render_actors:
-        renderer = serve.deployment(CaptionRenderer).options(
-            name=RENDERER,
-            num_replicas=engine.render_actors,
-            ray_actor_options={
-                "num_cpus": preset.cpu_stage_cpus,
-                # one image-processing thread each: the replicas are the parallelism
-                "runtime_env": {"env_vars": {**WORKER_ENV, **engine.env, "OMP_NUM_THREADS": "1"}},
-            },
-            max_ongoing_requests=2,
-            health_check_period_s=30,
-            graceful_shutdown_timeout_s=5,
-        )
-        targets.append(
-            RunTarget(target=renderer.bind(model.path, dict(engine.engine_kwargs)), name=RENDER_APP, route_prefix=None)
-        )
     serve.run_many(targets)
     return round(time.perf_counter() - t0, 2)
 
@@ -332,7 +314,7 @@ def start_service(model: ResolvedModel, engine: EngineSettings, idle_timeout_s: 
     ray.get(controller.start_idle_timer.remote())
     settings, n = engine.service_engines()
     apps = app_names(n)
-    seconds = _deploy(model, settings, apps, renderers=True)
+    seconds = _deploy(model, settings, apps)
     spec = engine_spec(model, engine)
     ray.get(controller.loaded.remote(apps, spec, model.source, model.path, model.fingerprint, False))
     if address is None:  # a local Ray: tell the runs on this machine where it is
@@ -660,13 +642,13 @@ def _load(c, model: ResolvedModel, engine: EngineSettings, info: dict, spec: str
 def _replace_all(model: ResolvedModel, settings: EngineSettings, old: list[str], new: list[str]) -> list[str]:
     from ray import serve
 
-    gone = set(old) - set(new)  # fewer engines now: the others go, and the renderers if these settings have none
-    for app in sorted(gone) + ([] if settings.render_actors else [RENDER_APP]):
+    gone = set(old) - set(new)  # fewer engines now: the others go
+    for app in sorted(gone):
         try:
             serve.delete(app)
         except Exception:  # not there
             pass
-    _deploy(model, settings, new, renderers=True)  # the renderers too: another tokenizer or image processor
+    _deploy(model, settings, new)
     return new
 
 

@@ -174,24 +174,22 @@ def ray_session(cfg: RunConfig, pipelines: int = 1) -> RaySession:
         os.environ["RAY_enable_metrics_collection"] = "1"  # noqa: SIM112 - Ray's own spelling
     gpus = local_gpus()
     hint = PRESETS[cfg.device] if cfg.device != "auto" else PRESETS["gpu" if gpus else "cpu"]
-    per_gpu = cfg.front_ends or cfg.engines_per_gpu or hint.max_engines_per_gpu
+    per_gpu = cfg.engines_per_gpu or hint.max_engines_per_gpu
     engines = cfg.concurrency or hint.concurrency * per_gpu
-    renderers = hint.render_actors if cfg.render_actors is None else cfg.render_actors
     # A local Ray's workers inherit this process's environment (WORKER_ENV is set above). A job
     # runtime_env, even env_vars alone, makes Ray start new workers instead of the ones it prestarted
     # (2 fresh worker processes, ~2 s of CPU each, before the first task on 2 cores), so the job gets
     # one only where the vLLM hook is needed: the GPU preset (vLLM 0.26 on the GPU host; the CPU build,
-    # vLLM 0.29, pre-builds its processor itself) and requests rendered before the engines (the hook hands
-    # them to vLLM as they are: render_stage.py).
+    # vLLM 0.29, pre-builds its processor itself).
     # address="local": a new Ray of our own, even where a `ray start` left its address file behind (a live
     # or crashed cluster; without it, ray.init would try to join that one with our sizing and refuse)
     _init(
         address="local",
-        num_cpus=cfg.ray_num_cpus or local_ray_cpus(hint, engines, render_actors=renderers) * pipelines,
+        num_cpus=cfg.ray_num_cpus or local_ray_cpus(hint, engines) * pipelines,
         num_gpus=gpus,
         include_dashboard=False,
         _metrics_export_port=cfg.metrics_port,
-        runtime_env=hook if hint.engine_gpus or renderers else None,
+        runtime_env=hook if hint.engine_gpus else None,
         log_to_driver=True,
     )
     run_log.take_worker_output(replace_printing=True)

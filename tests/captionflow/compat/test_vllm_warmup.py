@@ -132,34 +132,3 @@ def test_requests_are_rendered_off_the_event_loop_with_the_same_outputs(tmp_path
     assert on_loop["patched"] == [False] * 3
     old_vllm = tuple(int(x) for x in r["vllm"].split(".")[:2]) < (0, 27)
     assert on_loop["original"] == [old_vllm] * 3
-
-
-READY_SCRIPT = textwrap.dedent("""
-    import json, threading
-    from captionflow.compat import vllm_warmup
-    vllm_warmup.install()                       # the render actors run under the same job hook
-    from captionflow.builtin.model import ensure_builtin_model
-    from captionflow.workers.rendered_requests import build_renderer
-    import vllm.transformers_utils.processor as P
-
-    P.cached_get_processor.cache_clear()
-    renderer = build_renderer(str(ensure_builtin_model()), {"max_model_len": 2048,
-                              "limit_mm_per_prompt": {"image": 1, "video": 0},
-                              "mm_processor_kwargs": {"max_pixels": 448 * 448}})
-    vllm_warmup.processor_ready(renderer)
-    ready = P.cached_get_processor.cache_info()
-    renderer.get_mm_processor().info.get_hf_processor()   # what a request asks for
-    after = P.cached_get_processor.cache_info()
-    alive = [t for t in threading.enumerate() if t.name == vllm_warmup.THREAD_NAME]
-    print("RESULT " + json.dumps({"ready_misses": ready.misses, "request_misses": after.misses - ready.misses,
-                                  "prebuilds_running": len(alive)}))
-""")
-
-
-@pytest.mark.slow
-def test_a_render_actor_is_ready_with_its_processor_built_once(tmp_path):
-    proc, r = run_script(READY_SCRIPT, tmp_path)
-    # ready means built: no pre-build still running, and the first request finds the processor in vLLM's cache
-    assert r["ready_misses"] >= 1 and r["prebuilds_running"] == 0
-    assert r["request_misses"] == 0
-    assert "HF processor pre-built" in proc.stderr

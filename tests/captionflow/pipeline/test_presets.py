@@ -45,14 +45,10 @@ def test_gpu_layout_shares_each_gpu_between_the_engines_that_feed_it(builtin_mod
     model = resolve_model("builtin")
     e = resolve_engine(RunConfig(gpu_memory_gib=80, cuda_mps="off"), model, GPU, gpus=2, local_ray=True)
     assert e.engines_per_gpu == GPU.max_engines_per_gpu and e.concurrency == 2 * e.engines_per_gpu
-    assert e.gpu_share == 1.0 / e.engines_per_gpu and e.front_ends == 1
+    assert e.gpu_share == 1.0 / e.engines_per_gpu
     assert e.engine_kwargs["kv_cache_memory_bytes"] == GPU.kv_cache_bytes  # fixed: they share the GPU
     assert e.engine_kwargs["renderer_num_workers"] >= 2 and e.engine_kwargs["mm_processor_cache_gb"] == 0
     assert e.service_engines() == (e, 2 * e.engines_per_gpu)  # the warm service: the same engines, kept warm
-    rendered = resolve_engine(RunConfig(gpu_memory_gib=80, render_actors=6), model, GPU, gpus=2, local_ray=True)
-    assert rendered.render_actors == 6 and rendered.output_params() == e.output_params()  # the same captions
-    served, n = rendered.service_engines()  # the service runs as many renderers beside its engines
-    assert served.render_actors == 6 and n == 2 * e.engines_per_gpu and served.engine_kwargs == e.engine_kwargs
     one = e.single_engine()  # one engine owns its GPU
     assert one.engines_per_gpu == 1 and one.gpu_share == 1.0 and one.concurrency == 2 and one.mps == "off"
     assert "kv_cache_memory_bytes" not in one.engine_kwargs  # alone on its GPU, it sizes its KV cache itself
@@ -77,28 +73,6 @@ def test_gpu_layout_shares_each_gpu_between_the_engines_that_feed_it(builtin_mod
     alone = resolve_engine(RunConfig(engines_per_gpu=1, gpu_memory_gib=80, cuda_mps="off"), model, GPU, gpus=2)
     assert alone.engines_per_gpu == 1 and alone.concurrency == 2 and alone.gpu_share == 1.0
     assert "kv_cache_memory_bytes" not in alone.engine_kwargs and alone.single_engine() is alone
-
-
-def test_front_ends_share_one_engine_per_gpu(builtin_model_dir):
-    import pytest
-
-    model = resolve_model("builtin")
-    e = resolve_engine(RunConfig(gpu_memory_gib=80, front_ends=4), model, GPU, gpus=2, local_ray=True)
-    assert (e.engines_per_gpu, e.front_ends, e.concurrency, e.gpu_share) == (1, 4, 8, 0.25)  # Ray puts 4 per GPU
-    assert e.mps == "off" and e.actor_cpus == GPU.engine_cpus  # each front end: an engine's CPUs
-    assert "kv_cache_memory_bytes" not in e.engine_kwargs  # the one engine owns the GPU: it sizes its KV cache
-    assert e.engine_kwargs["gpu_memory_utilization"] == GPU.engine_kwargs["gpu_memory_utilization"]
-    default = resolve_engine(RunConfig(gpu_memory_gib=80), model, GPU, gpus=2)
-    assert e.output_params() == default.output_params() and e.compile_dir == default.compile_dir  # same captions
-    one, n = e.service_engines()  # a warm replica holds an engine with its own front end: one per GPU
-    assert (one.engines_per_gpu, one.front_ends, one.gpu_share, one.concurrency, n) == (1, 1, 1.0, 2, 2)
-    tp = resolve_engine(RunConfig(gpu_memory_gib=80, tensor_parallel_size=2, front_ends=3), model, GPU, gpus=2)
-    assert tp.front_ends == 1 and tp.concurrency == 1  # a tensor-parallel engine keeps its one front end
-    with pytest.raises(ValueError, match="engines_per_gpu 2 with front_ends 2"):
-        resolve_engine(RunConfig(gpu_memory_gib=80, engines_per_gpu=2, front_ends=2), model, GPU, gpus=1)
-    cpu = resolve_engine(RunConfig(front_ends=2), model, CPU)
-    assert cpu.front_ends == 2 and cpu.concurrency == 2 and cpu.gpu_share == 0
-    assert resolve_engine(RunConfig(), model, CPU).front_ends == 1
 
 
 def test_a_warm_engine_serves_every_run_whose_captions_it_would_write(builtin_model_dir, monkeypatch):
