@@ -16,7 +16,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from captionflow.significance import PER_IMAGE, paired_bootstrap
+from captionflow.evaluation.significance import PER_IMAGE, paired_bootstrap
 
 
 def main() -> None:

@@ -24,10 +24,10 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from captionflow.evaluate import evaluate
-from captionflow.layout import CAPTIONS, SHARDS, dataset_parts, run_parts
+from captionflow.data.layout import CAPTIONS, SHARDS, dataset_parts, run_parts
+from captionflow.data.storage import Store
+from captionflow.evaluation.evaluate import evaluate
 from captionflow.results import Counts, InferenceResult, Manifest
-from captionflow.storage import Store
 from captionflow.workers.llm_rows import CAPTION_SCHEMA
 
 WORDS = [

@@ -522,6 +522,7 @@ def _run_config(a: argparse.Namespace, output: str):
 
 
 def phase_stage(a: argparse.Namespace) -> dict:
+    from captionflow.data.sources import ingest
     from captionflow.errors import RowsFailed
     from captionflow.model_source import resolve_model
     from captionflow.pipeline.engine import resolve_engine
@@ -529,7 +530,6 @@ def phase_stage(a: argparse.Namespace) -> dict:
     from captionflow.pipeline.preprocess import preprocess
     from captionflow.pipeline.processor import max_pending_requests
     from captionflow.pipeline.session import ray_session
-    from captionflow.sources import ingest
 
     shutil.rmtree(Path(a.work) / "out-stage", ignore_errors=True)  # a fresh run: nothing to resume
     cfg = _run_config(a, str(Path(a.work) / "out-stage"))
@@ -712,7 +712,7 @@ def _flow_timed(a, name: str, images: str, model: str, engine_kwargs: str, env: 
         return {"error": f"exit {proc.returncode}", "log_tail": log.read_text(errors="replace")[-4000:]}
     s = json.loads(summary.read_text())
     stamps, _, _ = commit_times(s["run_dir"])
-    from captionflow.report import ROWS, row_file
+    from captionflow.report.markdown import ROWS, row_file
 
     row = out / ROWS / row_file(*s["run_dir"].rstrip("/").split("/")[-3:])  # this run's own row
     text = log.read_text(errors="replace")
@@ -765,7 +765,7 @@ TIMELINE = {
     "preprocess_done": re.compile(DAY_TIME + r".*Task run 'preprocess-.*Finished"),
     "warm_engines_loaded": re.compile(DAY_TIME + r".*warm engines: .* loaded into .* and checked"),
     "dataset_starts": re.compile(DATE_TIME + r".*Starting execution of Dataset"),
-    # a warm run's driver handing its requests to the service (pipeline/warm_feed.py: GATE, FIRST_BACK)
+    # a warm run's driver handing its requests to the service (service/feed.py: GATE, FIRST_BACK)
     "warm_first_block_built": re.compile(DAY_TIME + r".*warm engines: first block of requests built"),
     "warm_gate_open": re.compile(DAY_TIME + r".*warm engines: the run's checkpoint is in the engines"),
     "warm_first_batch_back": re.compile(DAY_TIME + r".*warm engines: first block back"),

@@ -75,11 +75,11 @@ def raw_vllm(cfg, model_path: str, rows: list[dict], preset) -> dict:
 
 def stage(cfg, manifest, model) -> dict:
     """captionflow's inference stage (Ray Data LLM), timed from shard commit times."""
+    from captionflow.data.storage import Store
     from captionflow.errors import RowsFailed
     from captionflow.pipeline.engine import resolve_engine
     from captionflow.pipeline.inference import run_inference
     from captionflow.pipeline.presets import PRESETS
-    from captionflow.storage import Store
 
     engine = resolve_engine(cfg, model, PRESETS[cfg.device])
 
@@ -118,13 +118,13 @@ def main() -> int:
     args = ap.parse_args()
 
     from captionflow.config import RunConfig
-    from captionflow.layout import shard_paths
+    from captionflow.data.layout import shard_paths
+    from captionflow.data.sources import ingest
+    from captionflow.data.storage import Store
     from captionflow.model_source import resolve_model
     from captionflow.pipeline.preprocess import preprocess
     from captionflow.pipeline.presets import PRESETS
     from captionflow.pipeline.session import ray_session
-    from captionflow.sources import ingest
-    from captionflow.storage import Store
 
     work = Path(tempfile.mkdtemp(prefix="cf-bench-"))
     images = Path(args.images) if args.images else work / "images"

@@ -126,9 +126,9 @@ def side_pipeline(images: str, out: str, warm: bool = False, peak: list | None =
     import ray.data
 
     from captionflow.config import RunConfig
+    from captionflow.data.sources import ingest
     from captionflow.pipeline.preprocess import preprocess
     from captionflow.pipeline.session import ray_session
-    from captionflow.sources import ingest
 
     cfg = RunConfig(dataset=images, output=out, device="cpu")
     t0 = time.perf_counter()

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from captionflow.builtin.model import BUILTIN_NAME, ensure_builtin_model
-from captionflow.cache import build_once, default_cache_dir
+from captionflow.data.cache import build_once, default_cache_dir
+from captionflow.data.fingerprint import digest, model_fingerprint
 from captionflow.errors import ModelError
-from captionflow.fingerprint import digest, model_fingerprint
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 def _download_s3(uri: str, cache_dir: str | None) -> Path:
     """Copy an s3:// checkpoint prefix into the cache (keyed on its listing: names, sizes, ETags)."""
-    from captionflow.storage import open_fs
+    from captionflow.data.storage import open_fs
 
     try:
         fs, root = open_fs(uri)

@@ -24,6 +24,7 @@ from pathlib import Path
 from captionflow.compat.driver_imports import prewarm
 from captionflow.compat.vllm_modelinfo import prefetch as prefetch_model_info
 from captionflow.config import RunConfig
+from captionflow.data.storage import Store
 from captionflow.errors import CaptionflowError, DatasetError
 from captionflow.model_source import ResolvedModel, resolve_clip, resolve_model
 from captionflow.pipeline.device import local_gpus
@@ -32,7 +33,6 @@ from captionflow.pipeline.presets import PRESETS
 from captionflow.pipeline.request_format import image_prompt
 from captionflow.pipeline.session import cluster_address
 from captionflow.results import PreflightResult
-from captionflow.storage import Store
 
 log = logging.getLogger("captionflow.preflight")
 
@@ -83,7 +83,7 @@ def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
         for architecture in {m.architecture for m in (model, judge) if m}:
             prefetch_model_info(architecture, engine_env(cfg))
     elif prewarm_imports:  # every check passed: a warm engine service starts loading the checkpoint now
-        from captionflow.pipeline import service
+        from captionflow.service import runs as service
 
         service.start_early(cfg, model, engine)
     return PreflightResult(model=model, judge=judge, engine=engine, judge_engine=judge_engine, clip=clip)
@@ -115,7 +115,7 @@ def check_output(output: str) -> None:
 def check_dataset(dataset: str) -> None:
     if dataset == "demo":
         return
-    from captionflow.storage import open_fs
+    from captionflow.data.storage import open_fs
 
     try:
         fs, root = open_fs(dataset)

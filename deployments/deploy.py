@@ -141,7 +141,7 @@ def ensure_automations(block_id) -> dict[str, str]:
     from prefect.events.actions import SendNotification
     from prefect.events.schemas.automations import EventTrigger, Posture
 
-    from captionflow.regression import EVENT as REGRESSED
+    from captionflow.evaluation.regression import EVENT as REGRESSED
 
     wanted = {
         REGRESSED_AUTOMATION: (

@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 import posixpath
 
+from captionflow.data.fingerprint import digest
+from captionflow.data.storage import Store
 from captionflow.errors import CaptionflowError
-from captionflow.fingerprint import digest
-from captionflow.storage import Store
 from deployments.deploy import EVENT
 
 STATE_NAME = ".captionflow-announced.json"

@@ -205,8 +205,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 
 def cmd_leaderboard(args: argparse.Namespace) -> int:
-    from captionflow.report import leaderboard_rows, leaderboard_table
-    from captionflow.storage import Store
+    from captionflow.data.storage import Store
+    from captionflow.report.markdown import leaderboard_rows, leaderboard_table
 
     rows = leaderboard_rows(Store(args.output), args.dataset, args.generation, args.model)[: args.limit]
     if args.json:
@@ -223,8 +223,8 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Deployments with their last runs, captionflow's automations, the warm engine service, the leaderboard's head."""
-    from captionflow.report import leaderboard_rows, leaderboard_table
-    from captionflow.storage import Store
+    from captionflow.data.storage import Store
+    from captionflow.report.markdown import leaderboard_rows, leaderboard_table
     from deployments.watcher import api_problem
 
     out: list[str] = []
@@ -260,7 +260,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"automations ({len(autos)}): "
                 + (", ".join(f"{a.name!r} {'on' if a.enabled else 'off'}" for a in autos) or "-")
             )
-    from captionflow.pipeline.service_address import local_service_address
+    from captionflow.service.address import local_service_address
 
     addr = local_service_address()
     where = f"runs here ({addr}); captionflow serve --status for what it holds" if addr else "none on this machine"
@@ -279,8 +279,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import time
 
-    from captionflow.pipeline import service
     from captionflow.pipeline.session import cluster_address, ray_session
+    from captionflow.service import controller as service
+    from captionflow.service.address import local_service_address, service_file
 
     cfg = _config(args)
     if args.stop or args.status:
@@ -294,8 +295,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         else:
             print(("stopped: " if args.stop else "") + json.dumps(info, indent=2, sort_keys=True, default=str))
         return 0
-    if cfg.ray_address is None and os.environ.get("RAY_ADDRESS") is None and service.local_service_address():
-        raise _UserError(f"a warm engine service already runs on this machine ({service.service_file()})")
+    if cfg.ray_address is None and os.environ.get("RAY_ADDRESS") is None and local_service_address():
+        raise _UserError(f"a warm engine service already runs on this machine ({service_file()})")
     from captionflow.pipeline.presets import PRESETS, local_ray_cpus
     from captionflow.preflight import preflight
 
@@ -325,7 +326,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             service.stop_service()
         except Exception:
             pass
-        service.service_file().unlink(missing_ok=True)
+        service_file().unlink(missing_ok=True)
         import ray
 
         ray.shutdown()

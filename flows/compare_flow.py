@@ -23,10 +23,10 @@ from prefect_ray.context import remote_options
 from pydantic import Field
 
 from captionflow.config import RunConfig
+from captionflow.data.storage import Store
 from captionflow.model_source import resolve_model
 from captionflow.pipeline.fanout import EVALUATION_TASK_CPUS
-from captionflow.report import read_leaderboard
-from captionflow.storage import Store
+from captionflow.report.markdown import read_leaderboard
 from flows.caption_flow import caption_flow
 from flows.parameters import with_config_parameters
 from tasks.ingest import ingest_task

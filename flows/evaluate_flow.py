@@ -13,7 +13,7 @@ from prefect import flow, runtime
 from prefect.utilities.annotations import opaque
 
 from captionflow.config import RunConfig
-from captionflow.external import external_name
+from captionflow.evaluation.external import external_name
 from captionflow.results import RunSummary
 from flows.parameters import with_config_parameters
 from tasks.evaluate import evaluate_task

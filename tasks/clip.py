@@ -5,11 +5,11 @@ from __future__ import annotations
 from prefect import task
 
 from captionflow.config import RunConfig
-from captionflow.fingerprint import digest
-from captionflow.layout import CAPTIONS, SCORES, missing_rows
+from captionflow.data.fingerprint import digest
+from captionflow.data.layout import CAPTIONS, SCORES, missing_rows
+from captionflow.data.storage import Store
 from captionflow.pipeline.clip_score import clip_parts, run_clip
 from captionflow.results import ClipResult, InferenceResult, Manifest, PreflightResult
-from captionflow.storage import Store
 from tasks.policy import TIMEOUT_S, retry_transient
 from tasks.results import record_stage, validated
 

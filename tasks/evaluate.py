@@ -7,11 +7,11 @@ from typing import Optional
 from prefect import task
 
 from captionflow.config import RunConfig
-from captionflow.evaluate import evaluate
-from captionflow.fingerprint import digest
-from captionflow.layout import missing_files
+from captionflow.data.fingerprint import digest
+from captionflow.data.layout import missing_files
+from captionflow.data.storage import Store
+from captionflow.evaluation.evaluate import evaluate
 from captionflow.results import ClipResult, EvalResult, InferenceResult, JudgeResult, Manifest, PairwiseResult
-from captionflow.storage import Store
 from tasks.policy import TIMEOUT_S, retry_transient
 from tasks.results import record_stage, validated
 

@@ -6,7 +6,7 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from captionflow.config import RunConfig
-from captionflow.external import import_captions
+from captionflow.evaluation.external import import_captions
 from captionflow.results import InferenceResult, Manifest
 from tasks.policy import TIMEOUT_S
 from tasks.results import record_stage

@@ -13,11 +13,11 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from captionflow.config import RunConfig
-from captionflow.fingerprint import digest
-from captionflow.layout import CAPTIONS, missing_rows, shard_paths
+from captionflow.data.fingerprint import digest
+from captionflow.data.layout import CAPTIONS, missing_rows, shard_paths
+from captionflow.data.storage import Store
 from captionflow.pipeline.inference import caption_run_parts, run_inference
 from captionflow.results import InferenceResult, Manifest, PreflightResult
-from captionflow.storage import Store
 from tasks.policy import TIMEOUT_S, retry_transient
 from tasks.results import record_stage, validated
 
@@ -162,8 +162,8 @@ class ProgressArtifact:
 def release_early_hold(task, task_run, state) -> None:
     """A hold on the warm engines that preflight took for this run and this stage did not use (its result was
     cached, or it failed before) goes back now, not when it lapses."""
-    from captionflow.lease import _default_owner
-    from captionflow.pipeline import service
+    from captionflow.data.lease import _default_owner
+    from captionflow.service import runs as service
 
     service.end_early(_default_owner())
 

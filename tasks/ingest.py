@@ -5,8 +5,8 @@ from __future__ import annotations
 from prefect import task
 
 from captionflow.config import RunConfig
+from captionflow.data.sources import ingest
 from captionflow.results import IngestResult
-from captionflow.sources import ingest
 from tasks.policy import TIMEOUT_S, retry_transient
 from tasks.results import record_stage
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from prefect import task
 
 from captionflow.config import RunConfig
-from captionflow.fingerprint import digest
-from captionflow.layout import CAPTIONS, SCORES, missing_rows
+from captionflow.data.fingerprint import digest
+from captionflow.data.layout import CAPTIONS, SCORES, missing_rows
+from captionflow.data.storage import Store
 from captionflow.pipeline.judge import judge_run_parts, run_judge
 from captionflow.results import InferenceResult, JudgeResult, Manifest, PreflightResult
-from captionflow.storage import Store
 from tasks.policy import TIMEOUT_S, retry_transient
 from tasks.results import record_stage, validated
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from prefect import task
 
 from captionflow.config import RunConfig
-from captionflow.layout import missing_dataset
+from captionflow.data.layout import missing_dataset
+from captionflow.data.storage import Store
 from captionflow.pipeline.preprocess import preprocess
 from captionflow.results import IngestResult, Manifest
-from captionflow.storage import Store
 from tasks.policy import TIMEOUT_S, retry_transient
 from tasks.results import record_stage, validated
 

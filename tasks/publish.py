@@ -14,9 +14,9 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from captionflow.config import RunConfig
-from captionflow.regression import EVENT, regression
-from captionflow.report import evaluated_as
-from captionflow.storage import Store, open_fs
+from captionflow.data.storage import Store, open_fs
+from captionflow.evaluation.regression import EVENT, regression
+from captionflow.report.markdown import evaluated_as
 from tasks.policy import TIMEOUT_S, retry_transient
 
 EXAMPLES = 3

@@ -21,14 +21,14 @@ import time
 from collections.abc import Callable
 from typing import Optional
 
-from captionflow.fingerprint import digest
-from captionflow.layout import RESULTS_CACHE
+from captionflow.data.fingerprint import digest
+from captionflow.data.layout import RESULTS_CACHE
+from captionflow.data.storage import Store, storage_options
 from captionflow.pipeline import run_log
 from captionflow.results import StageRecord
-from captionflow.storage import Store, storage_options
 
 CACHE_VERSION = "v2"  # bump when a persisted stage result changes type
-log = logging.getLogger("captionflow.cache")
+log = logging.getLogger("captionflow.data.cache")
 
 
 def result_storage(output: str):

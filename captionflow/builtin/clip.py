@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from captionflow.cache import build_once, default_cache_dir
+from captionflow.data.cache import build_once, default_cache_dir
 
 BUILTIN_CLIP = "builtin"
 BUILDER_VERSION = "1"

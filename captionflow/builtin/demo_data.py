@@ -224,7 +224,7 @@ def build_demo_dataset(out_dir: str | os.PathLike) -> Path:
 
 def ensure_demo_dataset(cache_dir: str | os.PathLike | None = None) -> Path:
     """Return the demo folder in the cache, assembling it on first use."""
-    from captionflow.cache import build_once, default_cache_dir
+    from captionflow.data.cache import build_once, default_cache_dir
 
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     return build_once(cache / "datasets" / f"{DEMO_NAME}-v{DEMO_VERSION}", CAPTIONS_FILE, build_demo_dataset)

@@ -300,8 +300,8 @@ def compile_cache_dir(
     import json
     from pathlib import Path
 
-    from captionflow.cache import default_cache_dir
-    from captionflow.fingerprint import digest
+    from captionflow.data.cache import default_cache_dir
+    from captionflow.data.fingerprint import digest
     from captionflow.pipeline.device import local_gpu_name
 
     conf = json.loads((Path(model.path) / "config.json").read_text(encoding="utf-8"))

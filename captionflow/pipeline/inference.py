@@ -19,12 +19,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from captionflow.config import RunConfig
+from captionflow.data.fingerprint import generation_fingerprint
+from captionflow.data.layout import CAPTIONS, run_parts, shard_paths
+from captionflow.data.lease import Lease
+from captionflow.data.storage import Store
 from captionflow.errors import RowsFailed
-from captionflow.fingerprint import generation_fingerprint
-from captionflow.layout import CAPTIONS, run_parts, shard_paths
-from captionflow.lease import Lease
 from captionflow.model_source import ResolvedModel
-from captionflow.pipeline import service
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.ledger import Ledger, Progress, run_passes
 from captionflow.pipeline.processor import build_vlm_processor, fitted_folder, map_task_kwargs, read_pending
@@ -32,7 +32,7 @@ from captionflow.pipeline.request_format import image_prompt
 from captionflow.pipeline.session import ray_session
 from captionflow.pipeline.staging import staged
 from captionflow.results import InferenceResult, Manifest
-from captionflow.storage import Store
+from captionflow.service import runs as service
 from captionflow.workers.llm_rows import CAPTION_SCHEMA, caption_fixed_schema, caption_request, to_caption
 
 log = logging.getLogger("captionflow.inference")

@@ -15,9 +15,10 @@ from collections.abc import Callable
 from typing import Optional
 
 from captionflow.config import RunConfig
-from captionflow.fingerprint import digest
-from captionflow.layout import FAILURES, SCORES, judge_parts, shard_paths
-from captionflow.lease import Lease
+from captionflow.data.fingerprint import digest
+from captionflow.data.layout import FAILURES, SCORES, judge_parts, shard_paths
+from captionflow.data.lease import Lease
+from captionflow.data.storage import Store
 from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.ledger import Ledger, read_captions, run_passes
@@ -26,7 +27,6 @@ from captionflow.pipeline.request_format import image_prompt
 from captionflow.pipeline.session import ray_session
 from captionflow.pipeline.staging import staged
 from captionflow.results import InferenceResult, JudgeResult, Manifest, PassResult
-from captionflow.storage import Store
 from captionflow.workers.llm_rows import (
     JUDGE_MAX_TOKENS,
     JUDGE_REGEX,

@@ -21,12 +21,12 @@ from typing import Optional
 
 import pyarrow as pa
 
+from captionflow.data.layout import CAPTIONS, FAILURES
+from captionflow.data.lease import Lease
+from captionflow.data.storage import Store
 from captionflow.errors import CaptionflowError, EngineFailed
-from captionflow.layout import CAPTIONS, FAILURES
-from captionflow.lease import Lease
 from captionflow.pipeline.watchdog import Watchdog
 from captionflow.results import PassResult
-from captionflow.storage import Store
 
 # progress(results, committed, total, rows per second since the pass's first result): once when the stage holds
 # its folder (nothing new yet, rate 0), then as each result row arrives (engine batch by engine batch) and after

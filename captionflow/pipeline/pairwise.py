@@ -16,19 +16,19 @@ import time
 from typing import Optional
 
 from captionflow.config import RunConfig
+from captionflow.data.fingerprint import digest
+from captionflow.data.layout import CAPTIONS, SCORES
+from captionflow.data.lease import Lease
+from captionflow.data.storage import Store
 from captionflow.errors import BaselineError
-from captionflow.fingerprint import digest
-from captionflow.layout import CAPTIONS, SCORES
-from captionflow.lease import Lease
+from captionflow.evaluation.pairwise_scores import per_image_scores
+from captionflow.evaluation.significance import win_rate
 from captionflow.model_source import ResolvedModel
-from captionflow.pairwise_scores import per_image_scores
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.judge import judge_passes, parse_rate
 from captionflow.pipeline.ledger import Ledger, read_captions
-from captionflow.report import read_leaderboard
+from captionflow.report.markdown import read_leaderboard
 from captionflow.results import InferenceResult, Manifest, PairwiseResult
-from captionflow.significance import win_rate
-from captionflow.storage import Store
 from captionflow.workers.llm_rows import (
     ORDERS,
     PAIRWISE_MAX_TOKENS,

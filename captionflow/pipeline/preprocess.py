@@ -25,13 +25,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from captionflow.config import RunConfig
+from captionflow.data.layout import MANIFEST, QUARANTINE, SCHEMA_VERSION, SHARDS, dataset_parts, missing_dataset
+from captionflow.data.lease import Lease
+from captionflow.data.storage import Store, open_fs
 from captionflow.errors import DatasetError
-from captionflow.layout import MANIFEST, QUARANTINE, SCHEMA_VERSION, SHARDS, dataset_parts, missing_dataset
-from captionflow.lease import Lease
 from captionflow.pipeline.session import ray_session
 from captionflow.pipeline.watchdog import Watchdog
 from captionflow.results import Counts, IngestResult, Manifest
-from captionflow.storage import Store, open_fs
 from captionflow.workers.decode import RESULT_SCHEMA, ItemProcessor, failed_rows, process_alone
 
 log = logging.getLogger(__name__)

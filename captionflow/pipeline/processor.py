@@ -24,7 +24,7 @@ import pyarrow as pa
 
 from captionflow.compat.cuda_mps import ensure_mps
 from captionflow.compat.driver_imports import prewarmed, without_vllm
-from captionflow.layout import FITTED, dataset_parts
+from captionflow.data.layout import FITTED, dataset_parts
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.presets import Preset
 from captionflow.pipeline.session import WORKER_ENV, keep_sigterm
@@ -139,7 +139,7 @@ def build_vlm_processor(
     )
     map_kwargs = map_task_kwargs(preset)
     with keep_sigterm(), without_vllm():  # building a processor calls ray.init again; no vLLM in the driver
-        if warm is not None:  # the same settings; the stages run warm in the service's replica (warm_feed.py)
+        if warm is not None:  # the same settings; the stages run warm in the service's replica (service/feed.py)
             return _warm_processor(config, warm, engine, preprocess, postprocess, map_kwargs)
         return build_processor(
             config,
@@ -153,13 +153,13 @@ def build_vlm_processor(
 def _warm_processor(config, warm, engine: EngineSettings, preprocess, postprocess, map_kwargs: dict):
     """A Ray Data LLM Processor without an engine stage: its preprocess builds the request rows in the run's
     tasks, and the driver hands them to the warm engine service's replicas, which run the engine stage
-    (``warm_feed.py``); the processor's postprocess then runs on the rows they return."""
+    (``service/feed.py``); the processor's postprocess then runs on the rows they return."""
     import functools
 
     import ray.data
     from ray.llm._internal.batch.processor.base import Processor
 
-    from captionflow.pipeline.warm_feed import WarmRows
+    from captionflow.service.feed import WarmRows
 
     # The requests are built here, by the run, while the service's engines are up from the first second: no
     # backlog builds up while engines start, as in a cold run, so two tasks per engine build them

@@ -16,8 +16,8 @@ import json
 import os
 import tempfile
 
-from captionflow.cache import default_cache_dir
-from captionflow.fingerprint import digest, file_digests
+from captionflow.data.cache import default_cache_dir
+from captionflow.data.fingerprint import digest, file_digests
 from captionflow.workers.image_prompt import TEMPLATE_FILES, ImagePrompt, render_image_prompt
 
 # Part of every generation fingerprint (EngineSettings.output_params): a change here is a change of captions.

@@ -52,7 +52,7 @@ def cluster_address(cfg: RunConfig) -> Optional[str]:
     if explicit:
         return explicit
     if cfg.warm_engines != "off":
-        from captionflow.pipeline.service_address import local_service_address
+        from captionflow.service.address import local_service_address
 
         return local_service_address()
     return None

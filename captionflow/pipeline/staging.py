@@ -20,8 +20,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from captionflow.lease import Lease, LeaseTimeout
-from captionflow.storage import Store
+from captionflow.data.lease import Lease, LeaseTimeout
+from captionflow.data.storage import Store
 
 log = logging.getLogger("captionflow.staging")
 

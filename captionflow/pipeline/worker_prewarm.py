@@ -6,7 +6,7 @@ building the requests), each importing pyarrow, Ray Data and captionflow's row c
 from the dataset's start to its first request on the H100 host, where the 5,000 captions then took ~20 s.
 ``start`` has idle workers of the run's job import them while its first stages (ingest, the cached preprocess) go
 on; Ray hands the job's next tasks to idle workers first. Not its actors: Ray 2.60 starts a process of its own for
-each actor, however idle the job's workers (so a warm run has none: ``warm_feed``). Nothing waits for them: a task
+each actor, however idle the job's workers (so a warm run has none: ``service/feed.py``). Nothing waits for them: a task
 that comes first starts a worker of its own, as without this.
 """
 

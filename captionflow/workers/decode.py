@@ -228,7 +228,7 @@ def _confine(fs, parquet_path: str, ref: str, root: str, allow: bool) -> tuple:
     import os
     import posixpath
 
-    from captionflow.storage import open_fs
+    from captionflow.data.storage import open_fs
 
     if "://" in ref:
         if not allow:
@@ -268,7 +268,7 @@ def _by_path(
     allow: bool = False,
 ) -> dict:
     """A row whose image is only a path: read it if it may be read (``_confine``)."""
-    from captionflow.storage import local_special
+    from captionflow.data.storage import local_special
 
     try:
         rfs, rpath = _confine(fs, parquet_path, ref, root, allow)
@@ -321,7 +321,7 @@ class ItemProcessor:
     (a per-row ``flat_map`` had Ray Data hand each row over and infer the column types)."""
 
     def __init__(self, decode_timeout_s: float | None = None, **params):
-        from captionflow.storage import bound_s3_retries
+        from captionflow.data.storage import bound_s3_retries
 
         bound_s3_retries()
         self.params = params

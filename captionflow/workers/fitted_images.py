@@ -34,7 +34,7 @@ def cache_key(grid: tuple[int, int, int]) -> str:
     """The folder name of a grid's fitted images."""
     import PIL
 
-    from captionflow.fingerprint import digest
+    from captionflow.data.fingerprint import digest
 
     return digest({"grid": list(grid), "format": FORMAT, "pillow": PIL.__version__})
 
@@ -90,7 +90,7 @@ def read_fitted_shard(
     """The ``pending`` rows of ``shard`` with ``columns``, its ``image`` replaced by ``RGB``/``HEIGHT``/``WIDTH``:
     read from ``fitted`` when that file matches the shard, else fitted here (the whole shard, when it has a
     pending row) and written there."""
-    from captionflow.storage import write_parquet
+    from captionflow.data.storage import write_parquet
 
     table = _parquet(fs, shard, ["image_id", *(c for c in columns if c not in ("image_id", "image"))])
     keep = pc.is_in(table["image_id"], value_set=pending)

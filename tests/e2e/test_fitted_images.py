@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from cli_runs import assert_same_captions, run_cli
 
-from captionflow.layout import FITTED
+from captionflow.data.layout import FITTED
 
 pytestmark = pytest.mark.slow
 

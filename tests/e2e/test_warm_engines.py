@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from captionflow.builtin.demo_data import DEMO_CAPTIONS, ensure_demo_dataset
-from captionflow.pipeline.engine_server import SWAP_DELAY_ENV
-from captionflow.pipeline.warm_feed import GATE
+from captionflow.service.feed import GATE
+from captionflow.service.replica import SWAP_DELAY_ENV
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "flows.cli"]
@@ -76,7 +76,7 @@ def _captions(summary: dict) -> dict[str, dict]:
 
 def test_two_checkpoints_through_warm_engines_equal_cold_runs(env, tmp_path):
     from captionflow.builtin.model import build_builtin_model
-    from captionflow.fingerprint import model_fingerprint
+    from captionflow.data.fingerprint import model_fingerprint
 
     data = _images(tmp_path / "golden", 6)
     ckpt_b = build_builtin_model(tmp_path / "step-2000", seed=1)

@@ -80,8 +80,8 @@ def test_a_custom_run_setting_only_max_tokens_writes_to_the_deployments_root(wor
         summary = run.state.result()
     assert summary["run_dir"].startswith(str(out))  # the deployment's output root, not the worker's checkout
     assert _files(REPO / "captionflow-out") == before  # nothing written to, or changed in, the checkout's default
-    from captionflow.report import read_leaderboard
-    from captionflow.storage import Store
+    from captionflow.data.storage import Store
+    from captionflow.report.markdown import read_leaderboard
 
     rows = [r for r in read_leaderboard(Store(str(out))) if r["run_dir"] == summary["run_dir"]]
     assert len(rows) == 1

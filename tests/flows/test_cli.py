@@ -127,8 +127,8 @@ def test_every_field_is_in_one_group_and_help_is_grouped(capsys):
 
 
 def _board(tmp_path):
-    from captionflow.report import update_leaderboard
-    from captionflow.storage import Store
+    from captionflow.data.storage import Store
+    from captionflow.report.markdown import update_leaderboard
 
     store = Store(str(tmp_path / "out"))
     metrics = lambda c: {"stats": {"n_captions": 10, "failure_rate": 0.0}, "reference": {"cider": c, "bleu_4": c / 10}}

@@ -8,7 +8,7 @@ from pathlib import Path
 from prefect import flow, task
 
 from captionflow.config import RunConfig
-from captionflow.layout import RESULTS_CACHE
+from captionflow.data.layout import RESULTS_CACHE
 from tasks.results import record_stage, stage_results, validated
 
 CALLS: list[str] = []

@@ -11,15 +11,15 @@ import pytest
 from PIL import Image
 
 from captionflow.config import RunConfig
+from captionflow.data.layout import CAPTIONS, run_parts
+from captionflow.data.sources import ingest
+from captionflow.data.storage import Store
 from captionflow.errors import ModelError
-from captionflow.layout import CAPTIONS, run_parts
 from captionflow.model_source import resolve_clip
 from captionflow.pipeline.clip_score import run_clip
 from captionflow.pipeline.preprocess import preprocess
 from captionflow.preflight import preflight
 from captionflow.results import InferenceResult
-from captionflow.sources import ingest
-from captionflow.storage import Store
 from captionflow.workers.clip_rows import CLIP_WEIGHT, ClipScorer
 from captionflow.workers.llm_rows import CAPTION_SCHEMA
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from captionflow.layout import CAPTIONS, FAILURES
+from captionflow.data.layout import CAPTIONS, FAILURES
+from captionflow.data.storage import Store
 from captionflow.pipeline.ledger import Ledger, run_passes
-from captionflow.storage import Store
 from captionflow.workers.llm_rows import CAPTION_SCHEMA
 
 

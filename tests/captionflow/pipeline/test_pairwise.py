@@ -6,12 +6,12 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
+from captionflow.data.layout import CAPTIONS
+from captionflow.data.storage import Store
 from captionflow.errors import BaselineError
-from captionflow.layout import CAPTIONS
-from captionflow.pairwise_scores import pairwise_per_image
+from captionflow.evaluation.pairwise_scores import pairwise_per_image
 from captionflow.pipeline.pairwise import BEST, LATEST, resolve_baseline
-from captionflow.report import update_leaderboard
-from captionflow.storage import Store
+from captionflow.report.markdown import update_leaderboard
 
 
 def _board(store: Store) -> None:

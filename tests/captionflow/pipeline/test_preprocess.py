@@ -15,11 +15,11 @@ from hostile import ACCEPTED, add_local_specials, build_corpus
 from PIL import Image
 
 from captionflow.config import RunConfig
+from captionflow.data.sources import ingest
+from captionflow.data.storage import Store
 from captionflow.errors import DatasetError
 from captionflow.pipeline.preprocess import LARGEST_TASK, SMALLEST_TASK, preprocess, task_sizes, work_items
 from captionflow.results import Manifest
-from captionflow.sources import ingest
-from captionflow.storage import Store
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -409,8 +409,8 @@ def test_unlistable_folder_and_hidden_entries_are_accounted_for(tmp_path):
         if os.geteuid() == 0:
             code = (
                 "import json, sys; sys.path.insert(0, sys.argv[1]); from captionflow.config import RunConfig;"
-                "from captionflow.sources import ingest; print('ING' + json.dumps(ingest(RunConfig(dataset=sys.argv[2],"
-                " output=sys.argv[3])).to_dict()))"
+                "from captionflow.data.sources import ingest;"
+                " print('ING' + json.dumps(ingest(RunConfig(dataset=sys.argv[2], output=sys.argv[3])).to_dict()))"
             )
             p = subprocess.run(
                 [sys.executable, "-c", code, str(ROOT), str(ds), cfg.output],
@@ -485,7 +485,7 @@ def test_a_file_that_crashes_or_hangs_its_worker_is_quarantined_not_retried_fore
     (ds / "img_09_hang.png").write_bytes(b"HANGME!!" + bytes(100))
     code = (
         "import json, sys; sys.path.insert(0, sys.argv[1]); from captionflow.config import RunConfig;"
-        "from captionflow.sources import ingest; from captionflow.pipeline.preprocess import preprocess;"
+        "from captionflow.data.sources import ingest; from captionflow.pipeline.preprocess import preprocess;"
         "cfg = RunConfig(dataset=sys.argv[2], output=sys.argv[3], device='cpu', decode_timeout_s=3);"
         "print('MANIFEST' + json.dumps(preprocess(ingest(cfg), cfg).to_json()))"
     )

@@ -78,7 +78,7 @@ def test_gpu_layout_shares_each_gpu_between_the_engines_that_feed_it(builtin_mod
 def test_a_warm_engine_serves_every_run_whose_captions_it_would_write(builtin_model_dir, monkeypatch):
     """The service's spec ignores layout, memory, the compile cache's place and vLLM's logging environment
     (a run and the service it used disagreed on an H100: the service was replaced instead of hot-swapped)."""
-    from captionflow.pipeline.service import engine_spec
+    from captionflow.service.controller import engine_spec
 
     model = resolve_model("builtin")
     monkeypatch.delenv("VLLM_NO_USAGE_STATS", raising=False)

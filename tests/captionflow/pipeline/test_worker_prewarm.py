@@ -1,5 +1,5 @@
 """Idle workers of a run's Ray job import what its first tasks need, and the job's next task runs in one of them; an
-actor does not (Ray starts a process for it: why a warm run has no actor of its own, ``warm_feed``)."""
+actor does not (Ray starts a process for it: why a warm run has no actor of its own, ``service/feed.py``)."""
 
 from __future__ import annotations
 

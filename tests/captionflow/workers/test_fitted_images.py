@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 import captionflow.workers.images as images
-from captionflow.storage import Store
+from captionflow.data.storage import Store
 from captionflow.workers.fitted_images import HEIGHT, RGB, WIDTH, cache_key, fitted_array, fitted_path
 from captionflow.workers.image_prompt import ImagePrompt
 from captionflow.workers.llm_rows import caption_request, judge_request, read_pending_rows

@@ -1,0 +1,183 @@
+"""Stage 4, evaluate: caption statistics, reference metrics, per-image scores, a report and a leaderboard row."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import pyarrow as pa
+
+from captionflow.data.layout import CAPTIONS, SCORES, shard_paths
+from captionflow.data.storage import Store
+from captionflow.evaluation.caption_health import caption_health
+from captionflow.evaluation.metrics import caption_words, length_stats, reference_metrics
+from captionflow.evaluation.pairwise_scores import pairwise_per_image
+from captionflow.evaluation.significance import PER_IMAGE, paired_bootstrap
+from captionflow.evaluation.slices import slice_metrics, slices_of
+from captionflow.report.html import chart_png, render_html, side_by_side, thumbnails
+from captionflow.report.markdown import read_leaderboard, render_report, update_leaderboard
+from captionflow.results import ClipResult, EvalResult, InferenceResult, JudgeResult, Manifest, PairwiseResult
+
+
+def evaluate(
+    output: str,
+    manifest: Manifest,
+    inference: InferenceResult,
+    model_source: str,
+    judge: Optional[JudgeResult] = None,
+    coco_java: bool = False,
+    bootstrap_resamples: int = 1000,
+    prompts: tuple[str, ...] = (),
+    report_images: int = 200,
+    pairwise: Optional[PairwiseResult] = None,
+    clip: Optional[ClipResult] = None,
+) -> EvalResult:
+    """Score the captions of one run; write scores.parquet, metrics.json, report.md, report.html and
+    chart.png; update the leaderboard."""
+    t0 = time.perf_counter()
+    store = Store(output)
+    run = tuple(inference.run_parts)
+    sliced = bool(manifest.params.get("slice_column"))
+    columns = ["image_id", "source", "references", *(["slice"] if sliced else [])]
+    data = store.read_tables(shard_paths(store, manifest), columns=columns)
+    ids = data["image_id"].to_pylist() if data else []
+    refs = dict(zip(ids, data["references"].to_pylist())) if data else {}
+    sources = dict(zip(ids, data["source"].to_pylist())) if data else {}
+    slices = slices_of(manifest.kind, sources, dict(zip(ids, data["slice"].to_pylist())) if sliced and data else None)
+    caps_t = store.read_unique(store.ls(*run, CAPTIONS, suffix=".parquet"))
+    rows = caps_t.to_pylist() if caps_t is not None else []
+    captions = {r["image_id"]: r["caption"] for r in rows}
+    words = [caption_words(r["caption"]) for r in rows]  # once, for the statistics and the health checks
+    stats = length_stats([r["caption"] for r in rows], [r["finish_reason"] for r in rows], inference.failed, words)
+    ref_agg, ref_per = reference_metrics(captions, refs, java=coco_java)
+    metrics = {"stats": stats, "health": caption_health(rows, prompts, words), "reference": ref_agg}
+    judged: dict[str, dict] = {}
+    if judge:
+        metrics["judge"] = judge.headline()
+        jt = store.read_unique(store.ls(*judge.judge_parts, SCORES, suffix=".parquet"))
+        judged = {r["image_id"]: r for r in jt.to_pylist()} if jt is not None else {}
+    clipped: dict[str, float] = {}
+    if clip:
+        metrics["clip"] = clip.headline()
+        clipped = clip_per_image(clip.clip_dir)
+    paired: dict[str, float] = {}
+    if pairwise:
+        metrics["pairwise"] = pairwise.headline()
+        paired = pairwise_per_image(pairwise.pairwise_dir) if pairwise.pairwise_dir else {}
+    scores = pa.Table.from_pylist(
+        [
+            {
+                "image_id": r["image_id"],
+                "source": sources.get(r["image_id"], ""),
+                "slice": slices.get(r["image_id"]),
+                "caption": r["caption"],
+                "references": refs.get(r["image_id"], []),
+                "finish_reason": r["finish_reason"],
+                "num_output_tokens": r["num_output_tokens"],
+                **{k: ref_per.get(r["image_id"], {}).get(k) for k in ("bleu_4", "rouge_l", "cider")},
+                "judge_score": judged.get(r["image_id"], {}).get("score"),
+                "judge_reason": judged.get(r["image_id"], {}).get("reason"),
+                "pairwise_score": paired.get(r["image_id"]),
+                "clip_score": clipped.get(r["image_id"]),
+            }
+            for r in sorted(rows, key=lambda r: r["image_id"])
+        ]
+    )
+    store.write_table(scores, *run, "scores.parquet")
+    score_rows = scores.to_pylist()
+    by_slice = slice_metrics(score_rows, slices)
+    if by_slice:
+        metrics["slices"] = by_slice
+    metrics["comparison"] = update_leaderboard(store, manifest.dataset_fingerprint, run, model_source, metrics)
+    compared_rows = read_compared(metrics["comparison"])
+    if bootstrap_resamples:
+        add_significance(metrics["comparison"], score_rows, compared_rows, bootstrap_resamples)
+    store.write_json(metrics, *run, "metrics.json")
+    store.write_text(render_report(model_source, manifest, inference, metrics, score_rows), *run, "report.md")
+    write_html_report(store, run, manifest, model_source, metrics, score_rows, compared_rows, report_images)
+    return EvalResult(
+        metrics=metrics,
+        report=store.url(*run, "report.md"),
+        seconds=round(time.perf_counter() - t0, 2),
+        report_html=store.url(*run, "report.html"),
+    )
+
+
+def write_html_report(
+    store: Store,
+    run: tuple,
+    manifest: Manifest,
+    model_source: str,
+    metrics: dict,
+    rows: list[dict],
+    compared_rows: dict[str, list[dict]],
+    max_images: int,
+) -> None:
+    """report.html (captionflow/report/html.py) and chart.png under the run folder. The side-by-side view is
+    against the previous comparable run, else the best one."""
+    comp = metrics["comparison"]
+    label = next((k for k in ("previous", "best_so_far") if comp.get(k) and compared_rows.get(k)), None)
+    theirs = compared_rows.get(label, []) if label else []
+    side = side_by_side(rows, theirs)
+    ids = {r["image_id"] for r in sorted(rows, key=lambda r: r["image_id"])[:max_images]}
+    ids |= {d["mine"]["image_id"] for d in side[1]}
+    mine = store.url(*run)
+    history = [
+        r
+        for r in read_leaderboard(store)
+        if r["dataset_fingerprint"] == manifest.dataset_fingerprint and r["generation_fingerprint"] == run[3]
+    ]
+    chart = chart_png(history, mine)
+    if chart:
+        store.write_bytes(chart, *run, "chart.png")
+    page = render_html(
+        model_source,
+        manifest,
+        metrics,
+        rows,
+        thumbnails(store, manifest, ids),
+        chart,
+        comp.get(label) if label else None,
+        side,
+        max_images,
+    )
+    store.write_text(page, *run, "report.html")
+
+
+def clip_per_image(clip_dir: str) -> dict[str, float]:
+    """image id -> its CLIPScore (captionflow/pipeline/clip_score.py)."""
+    folder = Store(clip_dir)
+    t = folder.read_unique(folder.ls(SCORES, suffix=".parquet"), columns=["image_id", "clip_score"])
+    return dict(zip(t["image_id"].to_pylist(), t["clip_score"].to_pylist())) if t is not None else {}
+
+
+def per_image(rows: list[dict]) -> dict[str, dict]:
+    """image id -> its per-image scores under the leaderboard's metric names."""
+    return {r["image_id"]: {m: r.get(col) for m, col in PER_IMAGE.items()} for r in rows}
+
+
+def read_compared(comparison: dict) -> dict[str, list[dict]]:
+    """The scores.parquet rows of each run the comparison names ("previous", "best_so_far"); a run whose scores
+    cannot be read gets the reason as its ``error`` instead."""
+    out: dict[str, list[dict]] = {}
+    for label in ("previous", "best_so_far"):
+        other = comparison.get(label)
+        if not other:
+            continue
+        try:
+            theirs = Store(other["run_dir"])
+            out[label] = theirs.read_table(theirs.path("scores.parquet")).to_pylist()
+        except (OSError, ValueError) as e:
+            other["error"] = f"cannot read {other['run_dir']}/scores.parquet: {e}"
+    return out
+
+
+def add_significance(comparison: dict, rows: list[dict], compared: dict[str, list[dict]], n_resamples: int) -> None:
+    """A paired bootstrap (captionflow/significance.py) against each run the comparison names."""
+    mine = per_image(rows)
+    for label in ("previous", "best_so_far"):
+        other = comparison.get(label)
+        if other and "error" in other:
+            other["significance"] = {"error": other["error"]}
+        elif other:
+            other["significance"] = paired_bootstrap(mine, per_image(compared[label]), n_resamples=n_resamples)

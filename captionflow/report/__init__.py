@@ -1,0 +1,1 @@
+"""What a run shows a person: the Markdown report and the leaderboard (markdown.py), report.html (html.py)."""

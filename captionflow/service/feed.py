@@ -1,0 +1,161 @@
+"""How a warm run's request rows reach the warm engine service: from its driver, a block at a time.
+
+A warm run builds its request rows as a cold run does - a Ray Data LLM ``Processor`` whose preprocess makes each
+row ready for the engine stage (the rendered prompt, the image array, sampling parameters), in the run's worker
+tasks - but has no engine stage of its own: the engine stages run in the service's replicas
+(``service/replica.CaptionEngine``). The driver iterates the request dataset's blocks as object references
+(Ray Data's ``RefBundle``s: the rows never pass through the driver) and hands each block to the
+service's engine with the fewest of its blocks in flight; the replica reads the block from the object store, runs
+its rows through the stages a cold run's processor would (vLLM's engine stage) and returns the result rows without
+their images. The driver then applies the processor's own postprocess (Ray Data LLM's: error rows pass as they
+are) and the run's fixed schema, and the ledger commits them.
+
+Why not a Ray Data stage in the run (as Ray Data LLM's ``ServeDeploymentProcessorConfig`` has): that stage is an
+actor, and Ray 2.60 starts a new process for every actor of a new job - on the H100 host 2-3.5 s to start it and
+import Ray Data, Ray Data LLM and Ray Serve, on the 2-core VM 6-8 s, before the first row could go out. The driver
+is up, and has imported Ray Serve while the run's first stages ran (``compat/driver_imports``).
+
+The first block goes out only once the run's checkpoint is in every engine and checked (``WarmEngine.wait``: the
+swap runs in the background while the dataset starts); a row served by another checkpoint than the run's is an
+error row, never a caption; a replica that fails or is gone fails the pass (``ledger``: EngineFailed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+log = logging.getLogger("captionflow.warm")
+
+GATE = "warm engines: the run's checkpoint is in the engines"  # the run's log, and the verdict bench, read these
+FIRST_BUILT = "warm engines: first block of requests built"
+FIRST_BACK = "warm engines: first block back"
+_END = object()
+
+
+class WarmRows:
+    """The result rows of one warm pass, as ``ledger.drain`` pulls them (``iter_rows``); ``map`` adds a function
+    applied to each row in the driver, in order, as ``Dataset.map`` would in a task."""
+
+    def __init__(self, requests, warm, processor, blocks_per_engine: int, steps: tuple[Callable, ...] = ()):
+        self.requests, self.warm, self.processor = requests, warm, processor
+        self.blocks_per_engine = max(1, blocks_per_engine)
+        self.steps = steps
+
+    def map(self, fn: Callable[[dict], dict], **_ray_options: Any) -> WarmRows:
+        return WarmRows(self.requests, self.warm, self.processor, self.blocks_per_engine, (*self.steps, fn))
+
+    def _finish(self, row: dict) -> dict:
+        if not row.get("__inference_error__") and row.get("served_by") != self.warm.model_fingerprint:
+            row["__inference_error__"] = (
+                f"served by checkpoint {row.get('served_by')!r}, not this run's "
+                f"{self.warm.model_fingerprint!r}: not taken"
+            )
+        out = self.processor.postprocess({self.processor.DATA_COLUMN: row})
+        for fn in self.steps:
+            out = fn(out)
+        return out
+
+    def iter_rows(self) -> Iterator[dict]:
+        results: queue.Queue = queue.Queue()
+        stop = threading.Event()
+        feeder = threading.Thread(
+            target=self._feed_thread, args=(results, stop), name="captionflow-warm-feed", daemon=True
+        )
+        feeder.start()
+        try:
+            while True:
+                item = results.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                for row in item:
+                    yield self._finish(row)
+        finally:
+            stop.set()
+
+    def _feed_thread(self, results: queue.Queue, stop: threading.Event) -> None:
+        try:
+            asyncio.run(self._feed(results, stop))
+        except BaseException as e:
+            results.put(e)
+        else:
+            results.put(_END)
+
+    async def _feed(self, results: queue.Queue, stop: threading.Event) -> None:
+        t0 = time.perf_counter()
+        # the dataset starts, and its first block is built, while the checkpoint may still be going in
+        starting = asyncio.ensure_future(asyncio.to_thread(self._start, t0))
+        try:
+            await asyncio.to_thread(self.warm.wait)  # raises why the checkpoint did not get in
+        except BaseException:
+            with contextlib.suppress(Exception):  # the load's reason is the one to report
+                await _close(await starting)
+            raise
+        t_gate = time.perf_counter()
+        log.info("%s (waited %.1f s)", GATE, t_gate - t0)
+        started = await starting
+        bundles = started[0]
+        apps, handles = list(self.warm.apps), self.warm.handles()
+        in_flight = [0] * len(handles)
+        slots = asyncio.Semaphore(self.blocks_per_engine * len(handles))
+        sent: set[asyncio.Task] = set()
+        turn = 0
+        first_back = [False]
+
+        async def send(i: int, ref) -> None:
+            try:
+                rows = await handles[i].caption_block.remote([ref])
+                if not first_back[0]:
+                    first_back[0] = True
+                    log.info("%s (%d rows) %.1f s after the gate", FIRST_BACK, len(rows), time.perf_counter() - t_gate)
+                results.put(rows)
+            except BaseException as e:
+                stop.set()
+                results.put(RuntimeError(f"warm engine {apps[i]}: {type(e).__name__}: {str(e)[:500]}"))
+            finally:
+                in_flight[i] -= 1
+                slots.release()
+
+        try:
+            bundle = await asyncio.to_thread(next, bundles, None)
+            while bundle is not None and not stop.is_set():
+                for ref in bundle.block_refs:
+                    await slots.acquire()
+                    if stop.is_set():
+                        slots.release()
+                        break
+                    order = [(turn + k) % len(handles) for k in range(len(handles))]
+                    turn = (turn + 1) % len(handles)
+                    i = min(order, key=lambda k: in_flight[k])  # the fewest in flight (ties: in turn)
+                    in_flight[i] += 1
+                    task = asyncio.ensure_future(send(i, ref))
+                    sent.add(task)
+                    task.add_done_callback(sent.discard)
+                bundle = None if stop.is_set() else await asyncio.to_thread(next, bundles, None)
+            if sent:
+                await asyncio.gather(*sent)
+        finally:
+            await _close(started)
+
+    def _start(self, t0: float):
+        """The request dataset's blocks (an iterator of Ray Data ``RefBundle``s; Ray Data returns it once the first
+        block is built) and its executor. ``Dataset.iter_internal_ref_bundles`` is this without the executor, which
+        then runs on after an early stop until it is garbage-collected (at Ray's shutdown: a fatal error in Ray)."""
+        bundles, _, executor = self.requests._execute_to_iterator(capture_executor=False)
+        log.info("%s %.1f s after the dataset was asked for", FIRST_BUILT, time.perf_counter() - t0)
+        return bundles, executor
+
+
+async def _close(started) -> None:
+    """End the dataset's execution: done already when its blocks have all been taken, not after an early stop."""
+    _, executor = started
+    if executor is not None:
+        await asyncio.to_thread(executor.shutdown, True)

@@ -1,0 +1,151 @@
+"""A warm run's driver hands its request blocks to the service's engines (``feed.py``): real Ray Data and the run's
+own processor (``build_vlm_processor`` with a warm engine); the engines' Serve handles are stand-ins that read each
+block from the object store and answer as a replica would (the real replicas: tests/e2e/test_warm_engines.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import time
+
+import pytest
+
+from captionflow.config import RunConfig
+from captionflow.model_source import resolve_model
+from captionflow.pipeline.engine import resolve_engine
+from captionflow.pipeline.presets import CPU
+from captionflow.pipeline.processor import build_vlm_processor
+from captionflow.pipeline.session import ray_session
+from captionflow.service.feed import GATE
+from captionflow.workers.llm_rows import caption_fixed_schema, to_caption
+
+
+class Engine:
+    """Answers ``caption_block.remote([ref])`` as a replica does: the block's rows without their images."""
+
+    def __init__(self, name: str, served_by: str, log: list, fail: bool = False):
+        self.name, self.served_by, self.log, self.fail = name, served_by, log, fail
+        self.caption_block = self
+
+    def remote(self, refs: list):
+        async def answer():
+            from ray.data.block import BlockAccessor
+
+            block = await refs[0]  # arrives as an object reference, not as rows through the driver
+            rows = BlockAccessor.for_block(block).to_batch_format("default")["__data"].tolist()
+            self.log.append((self.name, time.monotonic(), len(rows)))
+            await asyncio.sleep(0.05)
+            if self.fail:
+                raise RuntimeError("the replica died")
+            assert all(r["multimodal_data"]["image"].ndim == 3 for r in rows)  # the request's image array
+            return [
+                {
+                    "image_id": r["image_id"],
+                    "generated_text": f"caption of {r['image_id']}",
+                    "num_generated_tokens": 2,
+                    "num_input_tokens": 5,
+                    "served_by": self.served_by,
+                }
+                for r in rows
+            ]
+
+        return answer()
+
+
+class Warm:
+    """``service.WarmEngine`` as the feed sees it: the engines and their handles, the run's checkpoint, ``wait`` for
+    its load."""
+
+    engines: dict[str, Engine] = {}
+
+    def __init__(self, apps: list[str], fingerprint: str, load_s: float = 0.0, error: Exception | None = None):
+        self.apps, self.model_fingerprint, self.error = apps, fingerprint, error
+        self.loaded_at = None
+        self.done = threading.Event()
+        threading.Timer(load_s, self._loaded).start()
+
+    def _loaded(self):
+        self.loaded_at = time.monotonic()
+        self.done.set()
+
+    def handles(self):
+        return [self.engines[app] for app in self.apps]
+
+    def wait(self):
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self
+
+
+@pytest.fixture(scope="module")
+def caption_rows(builtin_model_dir, tmp_path_factory):
+    """``rows(warm)``: the warm processor's result rows for 12 small images, in batches of 2 rows."""
+    import numpy as np
+    import ray
+
+    cfg = RunConfig(device="cpu", batch_size=2, max_concurrent_batches=2)
+    ray_session(cfg)
+    model = resolve_model("builtin")
+    engine = resolve_engine(cfg, model, CPU)
+
+    def request(row):
+        return {
+            "image_id": row["image_id"],
+            "prompt": "<image> describe",
+            "multimodal_data": {"image": np.zeros((28, 28, 3), np.uint8)},
+            "sampling_params": {"max_tokens": 4},
+        }
+
+    def rows(warm):
+        processor = build_vlm_processor(
+            engine,
+            model.path,
+            preprocess=request,
+            postprocess=functools.partial(to_caption, max_tokens=4, model_fp=warm.model_fingerprint, attempt=0),
+            warm=warm,
+        )
+        ds = ray.data.from_items([{"image_id": f"img{i:02d}"} for i in range(12)]).repartition(
+            target_num_rows_per_block=2
+        )
+        return processor(ds).map(functools.partial(caption_fixed_schema, model_fp=warm.model_fingerprint, attempt=0))
+
+    return rows
+
+
+def _engines(monkeypatch, engines: dict[str, Engine]) -> None:
+    monkeypatch.setattr(Warm, "engines", engines)
+
+
+def test_blocks_go_out_only_after_the_checkpoint_is_in_and_spread_over_the_engines(caption_rows, monkeypatch, caplog):
+    log: list = []
+    _engines(monkeypatch, {a: Engine(a, "fp-b", log) for a in ("e0", "e1")})
+    warm = Warm(["e0", "e1"], "fp-b", load_s=2.0)
+    with caplog.at_level("INFO", logger="captionflow.warm"):
+        out = list(caption_rows(warm).iter_rows())
+    assert sorted(r["image_id"] for r in out) == [f"img{i:02d}" for i in range(12)]
+    assert all(r["error"] == "" and r["caption"] == f"caption of {r['image_id']}" for r in out)
+    assert min(t for _, t, _ in log) >= warm.loaded_at  # nothing was sent while the checkpoint was swapped in
+    assert {name for name, _, _ in log} == {"e0", "e1"} and sum(n for *_, n in log) == 12
+    assert any(GATE in m for m in caplog.messages)
+
+
+def test_a_row_served_by_another_checkpoint_is_an_error_row_never_a_caption(caption_rows, monkeypatch):
+    log: list = []
+    _engines(monkeypatch, {"e0": Engine("e0", "fp-b", log), "e1": Engine("e1", "fp-a", log)})
+    out = list(caption_rows(Warm(["e0", "e1"], "fp-b")).iter_rows())
+    stale = [r for r in out if r["error"]]
+    assert stale and len(stale) < len(out) == 12
+    assert all("served by checkpoint 'fp-a'" in r["error"] and r["caption"] == "" for r in stale)
+
+
+def test_an_engine_that_fails_or_a_load_that_fails_ends_the_pass_with_the_reason(caption_rows, monkeypatch):
+    _engines(monkeypatch, {"e0": Engine("e0", "fp-b", [], fail=True)})
+    with pytest.raises(RuntimeError, match="warm engine e0: RuntimeError: the replica died"):
+        list(caption_rows(Warm(["e0"], "fp-b")).iter_rows())
+    sent: list = []
+    _engines(monkeypatch, {"e0": Engine("e0", "fp-b", sent)})
+    with pytest.raises(ValueError, match="the swap did not check"):
+        list(caption_rows(Warm(["e0"], "fp-b", load_s=0.5, error=ValueError("the swap did not check"))).iter_rows())
+    assert sent == []  # nothing went to an engine without the run's checkpoint
