@@ -245,7 +245,7 @@ def engine_ready_times(since: float, ray_tmp: str = "/tmp/ray") -> list[float]:
 
 def engine_accepting_times(since: float, ray_tmp: str = "/tmp/ray") -> list[float]:
     """When each engine front end (AsyncLLM) was ready to take requests: captionflow's worker hook
-    logs it with the Unix time (captionflow/vllm_warmup.py)."""
+    logs it with the Unix time (captionflow/compat/vllm_warmup.py)."""
     from captionflow.compat.vllm_warmup import ACCEPTING
 
     return _logged_times(

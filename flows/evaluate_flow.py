@@ -1,7 +1,7 @@
 """Evaluate captions produced elsewhere: ingest -> preprocess -> import-captions -> evaluate -> publish.
 
 The same metrics, statistics, reports and leaderboard as a captionflow run; the captions file takes the place
-of inference (captionflow/external.py). No model is loaded.
+of inference (captionflow/evaluation/external.py). No model is loaded.
 """
 
 from __future__ import annotations

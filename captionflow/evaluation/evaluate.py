@@ -173,7 +173,7 @@ def read_compared(comparison: dict) -> dict[str, list[dict]]:
 
 
 def add_significance(comparison: dict, rows: list[dict], compared: dict[str, list[dict]], n_resamples: int) -> None:
-    """A paired bootstrap (captionflow/significance.py) against each run the comparison names."""
+    """A paired bootstrap (captionflow/evaluation/significance.py) against each run the comparison names."""
     mine = per_image(rows)
     for label in ("previous", "best_so_far"):
         other = comparison.get(label)

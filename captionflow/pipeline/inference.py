@@ -1,7 +1,7 @@
 """Stage 3, inference: a caption for every accepted row, through Ray Data LLM and the vLLM engine.
 
 One Ray Data job per pass (``processor.py``), streamed into the commit ledger (``ledger.py``) while this
-run holds the lease on its run folder (``captionflow/lease.py``): a rerun sends only the rows not yet
+run holds the lease on its run folder (``captionflow/data/lease.py``): a rerun sends only the rows not yet
 committed, a concurrent run on the same folder waits and then finds them committed, and rows the engine
 rejects are retried in later passes. Captions of the same image by the same checkpoint with the same
 settings in another run folder (the dataset gained or lost files around it) are reused, not recomputed.

@@ -102,7 +102,7 @@ def compact_leaderboard(store: Store) -> None:
 
 
 def significance_lines(comp: dict) -> list[str]:
-    """The paired bootstrap of each comparison (captionflow/significance.py) as a table."""
+    """The paired bootstrap of each comparison (captionflow/evaluation/significance.py) as a table."""
     lines: list[str] = []
     for label in ("previous", "best_so_far"):
         d = comp.get(label) or {}
@@ -130,7 +130,7 @@ def significance_lines(comp: dict) -> list[str]:
 
 
 def _health_lines(health: dict | None) -> list[str]:
-    """Caption health: each fault's count and rate, with examples (captionflow/caption_health.py)."""
+    """Caption health: each fault's count and rate, with examples (captionflow/evaluation/caption_health.py)."""
     if not health or not health["n_captions"]:
         return []
     lines = [
@@ -150,7 +150,7 @@ def _health_lines(health: dict | None) -> list[str]:
 
 
 def slice_lines(slices: list[dict]) -> list[str]:
-    """Metrics per slice (captionflow/slices.py) as a table."""
+    """Metrics per slice (captionflow/evaluation/slices.py) as a table."""
     cols = [k for k in slices[0] if k not in ("slice", "n")]
     lines = [
         "## Per slice",

@@ -1,4 +1,4 @@
-"""CUDA MPS management for several engines per GPU (captionflow/cuda_mps.py).
+"""CUDA MPS management for several engines per GPU (captionflow/compat/cuda_mps.py).
 
 There is no GPU or MPS here: the start/reuse/stop protocol is exercised against a stand-in control
 program that speaks the same stdin commands (``-d``, ``get_server_list``, ``quit``) and records its
