@@ -1,6 +1,6 @@
 """Paired bootstrap cost (issue goal: 1,000 resamples over 5,000 images, every metric, <= 30 s on 2 cores).
 
-python bench/bootstrap.py [--n 5000] [--resamples 1000] [--json bench/results/bootstrap.json]
+python bench/bootstrap.py [--n 5000] [--resamples 1000] [--json bench/results/bootstrap-cpu.json]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, nargs="+", default=[5000, 50000])
     ap.add_argument("--resamples", type=int, default=1000)
-    ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "bootstrap.json"))
+    ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "bootstrap-cpu.json"))
     a = ap.parse_args()
     rows = []
     for n in a.n:

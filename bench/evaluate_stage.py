@@ -4,7 +4,7 @@ Two checkpoints' captions over one synthetic preprocessed set (real Parquet shar
 references each): the first evaluation has nothing to compare with; the second runs everything a comparison
 adds - the paired bootstrap, the side-by-side view, thumbnails, the chart, report.html.
 
-python bench/evaluate_stage.py [--n 5000] [--resamples 1000] [--json bench/results/evaluate_stage.json]
+python bench/evaluate_stage.py [--n 5000] [--resamples 1000] [--json bench/results/evaluate_stage-cpu.json]
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=5000)
     ap.add_argument("--resamples", type=int, default=1000)
-    ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "evaluate_stage.json"))
+    ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "evaluate_stage-cpu.json"))
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as root:
         t0 = time.perf_counter()

@@ -10,7 +10,7 @@ The model: ``--model DIR``, or a full-size architecture stand-in (``--arch``, no
 
     python bench/front_end_threads.py --side 224 --n 400 --workers 1,2,4,8 --torch-threads 1,2
 
-Prints a short table and writes JSON (``--json``, default bench/results/front_end_threads-<host>.json).
+Prints a short table and writes JSON (``--json``, default bench/results/front_end_threads-<device>.json).
 """
 
 from __future__ import annotations
@@ -132,7 +132,10 @@ def main() -> int:
         "rows": rows,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    out = Path(a.json or Path(__file__).parent / "results" / f"front_end_threads-{platform.node()}.json")
+    from captionflow.pipeline.device import local_gpu_name
+
+    device = (local_gpu_name() or "cpu").replace("NVIDIA ", "").split()[0].lower()
+    out = Path(a.json or Path(__file__).parent / "results" / f"front_end_threads-{device}.json")
     out.write_text(json.dumps(results, indent=2))
     print("wrote", out)
     return 0

@@ -1195,7 +1195,7 @@ def main() -> int:
     )
     ap.add_argument("--phase-timeout", type=float, default=900)
     ap.add_argument("--work", help="working folder (default: a new temporary one)")
-    ap.add_argument("--json", help="results file (default bench/results/gpu_throughput-<gpu>.json)")
+    ap.add_argument("--json", help="results file (default bench/results/gpu_throughput-<stage|verdict>-<gpu>.json)")
     ap.add_argument("--merge", action="store_true", help="keep the other phases already in --json")
     ap.add_argument("--child", choices=sorted(PHASES), help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -1279,8 +1279,11 @@ def _finish(results: dict) -> None:
 
 def _write(results: dict, out: Path | None) -> Path:
     if out is None:
+        # one file per benchmark and device: gpu_throughput-<stage|verdict>-<device>.json (the latest run)
         gpu = results.get("device", "gpu").split(",")[0].replace("NVIDIA ", "").replace(" ", "-").lower()
-        out = ROOT / "bench" / "results" / f"gpu_throughput-{gpu or 'gpu'}.json"
+        gpu = "h100" if gpu.startswith("h100") else "h200" if gpu.startswith("h200") else gpu or "gpu"
+        kind = "verdict" if "verdict" in results else "stage"
+        out = ROOT / "bench" / "results" / f"gpu_throughput-{kind}-{gpu}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     return out

@@ -12,7 +12,7 @@ every 0.5 s). The pipeline side also records when the first batch of results rea
 ``--warm`` runs the pipeline a second time in the same Ray session (Ray Data's helper actors are
 detached and stay up, as on a long-lived cluster) and reports it apart; the ratio and peak RSS of
 the table stay those of the first, cold run.
-Prints a short table; writes JSON (default bench/results/preprocess_vs_plain.json).
+Prints a short table; writes JSON (default bench/results/preprocess_vs_plain-cpu.json).
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def main() -> int:
         action="store_true",
         help="also run the pipeline a second time in the same Ray session (reported apart as 'warm')",
     )
-    ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "preprocess_vs_plain.json"))
+    ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "preprocess_vs_plain-cpu.json"))
     args = ap.parse_args()
     from captionflow.builtin.synthetic import make_images
 
