@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
-from bench.gpu_throughput import PROMPT, SYSTEM_PROMPT  # the GPU bench's requests
+from bench.throughput.measure import PROMPT, SYSTEM_PROMPT  # the GPU bench's requests
 
 
 def front_end(model: str, side: int):

@@ -11,7 +11,8 @@ once by ``captionflow compare --parallel G`` (prefect-ray's RayTaskRunner, the G
 seconds, against one checkpoint's ``captionflow run`` on one GPU; ``ratio`` = the first over the second (goal
 <= 1.2). Both on the same images, the dataset preprocessed beforehand (a golden set).
 
-Writes JSON (default bench/results/gpu_scaling-<gpu>.json) and prints a short table.
+Writes JSON after each G (default bench/results/gpu_scaling-<gpu>.json: per G the steady rate, rows per engine and
+their balance, busy % and memory per GPU) and prints a short table.
 """
 
 from __future__ import annotations
@@ -28,31 +29,45 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu_throughput import random_checkpoint  # noqa: E402 - after the checkout is on the path
+from bench.throughput.verdict import random_checkpoint  # noqa: E402 - after the checkout is on the path
 
 
 def _stage_rate(a: argparse.Namespace, gpus: int, work: Path, extra: list[str]) -> dict:
     out = work / f"scaling-{gpus}.json"
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_throughput.py"), "--n", str(a.n), "--phases", "stage"]
-    cmd += ["--work", str(work / "throughput"), "--json", str(out), *extra]
+    cmd += ["--work", str(work / "throughput"), "--json", str(out), "--phase-timeout", str(a.timeout), *extra]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(gpus))}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=a.timeout)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=a.timeout + 300)
+    except subprocess.TimeoutExpired:
+        return {"gpus": gpus, "error": f"timed out after {a.timeout + 300} s"}
     if proc.returncode != 0 or not out.exists():
         return {"gpus": gpus, "error": f"exit {proc.returncode}"}
     stage = json.loads(out.read_text())["stage"]
+    if "error" in stage:
+        return {"gpus": gpus, "error": stage["error"], "log_tail": stage.get("log_tail", "")[-2000:]}
+    rows = stage.get("rows_per_engine") or []
     return {
         "gpus": gpus,
         "images_per_s": stage.get("images_per_s"),
         "images_per_s_10_90": stage.get("images_per_s_10_90"),
+        "steady_window_s": stage.get("steady_window_s"),
+        "start_to_first_result_s": stage.get("start_to_first_result_s"),
         "engines": stage.get("engines"),
+        "rows_per_engine": rows,
+        "balance": round(max(rows) / max(min(rows), 1), 3) if rows else None,  # most / fewest rows per engine
+        "per_gpu": (stage.get("gpu_steady") or {}).get("per_gpu"),
         "wall_s": stage.get("wall_s"),
     }
 
 
 def _timed(cmd: list[str], env: dict, log: Path, timeout: float) -> dict:
     t0 = time.time()
-    with open(log, "w") as fh:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout)
+    try:
+        with open(log, "w") as fh:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s", "log_tail": log.read_text(errors="replace")[-3000:]}
     wall = round(time.time() - t0, 2)
     if proc.returncode != 0:
         return {"error": f"exit {proc.returncode}", "log_tail": log.read_text(errors="replace")[-3000:]}
@@ -91,6 +106,18 @@ def _standin(work: Path) -> str:
     return str(build_standin("qwen2.5-vl-3b", work / "standin"))
 
 
+def _device_name() -> str:
+    from captionflow.pipeline.device import local_gpu_name
+
+    name = (local_gpu_name() or "gpu").replace("NVIDIA ", "").split()[0].lower()
+    return name
+
+
+def _save(res: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n")
+
+
 def main() -> int:
     from captionflow.pipeline.device import local_gpu_name, local_gpus
 
@@ -100,7 +127,9 @@ def main() -> int:
     ap.add_argument("--model", help="a checkpoint folder (default: the Qwen2.5-VL-3B stand-in, random weights)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-pixels", type=int, default=224 * 224)
-    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument(
+        "--timeout", type=float, default=900, help="seconds each G's stage (and each parallel run) may take"
+    )
     ap.add_argument("--work", help="working folder (default: a new temporary one)")
     ap.add_argument("--json", help="results file (default bench/results/gpu_scaling-<gpu>.json)")
     ap.add_argument("--skip-parallel", action="store_true")
@@ -115,27 +144,32 @@ def main() -> int:
     extra += ["--max-tokens", str(a.max_tokens), "--max-pixels", str(a.max_pixels)]
     if a.model:
         extra += ["--model", a.model]
-    scaling = [_stage_rate(a, g, work, extra) for g in counts]
-    base = next((s.get("images_per_s") for s in scaling if s["gpus"] == 1), None)
-    for s in scaling:
-        if base and s.get("images_per_s"):
-            s["efficiency"] = round(s["images_per_s"] / (s["gpus"] * base), 3)
+    out = Path(a.json) if a.json else ROOT / "bench" / "results" / f"gpu_scaling-{_device_name()}.json"
     res = {
         "device": local_gpu_name(),
         "host_gpus": host_gpus,
         "n": a.n,
         "max_tokens": a.max_tokens,
         "max_pixels": a.max_pixels,
-        "scaling": scaling,
+        "scaling": [],
     }
+    for g in counts:  # written after each G: a G that fails or hangs keeps the others
+        res["scaling"].append(_stage_rate(a, g, work, extra))
+        base = next((s.get("images_per_s") for s in res["scaling"] if s["gpus"] == 1), None)
+        for s in res["scaling"]:
+            if base and s.get("images_per_s"):
+                s["efficiency"] = round(s["images_per_s"] / (s["gpus"] * base), 3)
+        _save(res, out)
     if not a.skip_parallel and host_gpus > 1:
         res["parallel_checkpoints"] = _parallel(a, max(counts), work)
-    out = Path(a.json) if a.json else ROOT / "bench" / "results" / f"gpu_scaling-{local_gpu_name() or 'gpu'}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
-    print(f"{'GPUs':>5} {'img/s':>10} {'efficiency':>11}")
+        _save(res, out)
+    scaling = res["scaling"]
+    print(f"{'GPUs':>5} {'img/s':>10} {'efficiency':>11} {'balance':>8}")
     for s in scaling:
-        print(f"{s['gpus']:>5} {s.get('images_per_s') or 0:>10.1f} {s.get('efficiency') or 0:>11.3f}")
+        print(
+            f"{s['gpus']:>5} {s.get('images_per_s') or 0:>10.1f} {s.get('efficiency') or 0:>11.3f}"
+            f" {s.get('balance') or 0:>8.2f} {s.get('error', '')}"
+        )
     if "parallel_checkpoints" in res:
         p = res["parallel_checkpoints"]
         print(f"{p['checkpoints']} checkpoints at once vs one on one GPU: ratio {p.get('ratio')}")

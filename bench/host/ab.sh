@@ -12,7 +12,7 @@ PARTS=${1:?parts folder}
 BASE=${2:?baseline tarball}
 shift 2
 rm -rf /tmp/cf-repo /tmp/cf-base /tmp/final.done && mkdir -p /tmp/cf-results /tmp/cf-base
-cp -r "$PWD" /tmp/cf-repo && tar -xf "$BASE" -C /tmp/cf-base && cp /tmp/cf-repo/bench/gpu_throughput.py /tmp/cf-base/bench/
+cp -r "$PWD" /tmp/cf-repo && tar -xf "$BASE" -C /tmp/cf-base && cp /tmp/cf-repo/bench/gpu_throughput.py /tmp/cf-base/bench/ && rm -rf /tmp/cf-base/bench/throughput && cp -r /tmp/cf-repo/bench/throughput /tmp/cf-base/bench/
 for tree in /tmp/cf-repo /tmp/cf-base; do  # both trees' bytecode, as env.sh compiles the first's (else base pays it)
   PYTHONPYCACHEPREFIX=/tmp/cf-pycache python3 -m compileall -q -j 0 $tree/captionflow $tree/flows $tree/tasks > /dev/null
 done

@@ -1,0 +1,92 @@
+"""Phase B of the GPU benchmark: captionflow's inference stage (Ray Data LLM, the run's preset) over the
+preprocessed dataset, in a child process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+from bench.throughput.measure import PROMPT, SYSTEM_PROMPT, commit_times, engine_load, pipeline_rates, save_engine_logs
+
+
+# ---------------------------------------------------------------- phase B: the inference stage (child process)
+def _run_config(a: argparse.Namespace, output: str):
+    from captionflow.config import RunConfig
+
+    layout = {"engines_per_gpu": a.engines_per_gpu}
+    extra = {**json.loads(a.pipeline_config), **{k: v for k, v in layout.items() if v}}
+    # the pipeline's own engine arguments (not the raw engine's) on top of those every phase gets
+    engine_kwargs = {**json.loads(a.engine_kwargs), **extra.pop("engine_kwargs", {})}
+    return RunConfig(
+        dataset=a.images,
+        output=output,
+        model=a.model,
+        device=a.device,
+        max_tokens=a.max_tokens,
+        cuda_mps=a.cuda_mps,
+        ignore_eos=True,
+        max_pixels=a.max_pixels,
+        max_image_side=a.max_image_side,
+        system_prompt=SYSTEM_PROMPT,
+        prompt=PROMPT,
+        engine_kwargs=engine_kwargs,
+        commit_rows=32,
+        **extra,
+    )
+
+
+def phase_stage(a: argparse.Namespace) -> dict:
+    from captionflow.data.sources import ingest
+    from captionflow.errors import RowsFailed
+    from captionflow.model_source import resolve_model
+    from captionflow.pipeline.engine import resolve_engine
+    from captionflow.pipeline.inference import run_inference
+    from captionflow.pipeline.preprocess import preprocess
+    from captionflow.pipeline.processor import max_pending_requests
+    from captionflow.pipeline.session import ray_session
+
+    shutil.rmtree(Path(a.work) / "out-stage", ignore_errors=True)  # a fresh run: nothing to resume
+    cfg = _run_config(a, str(Path(a.work) / "out-stage"))
+    model = resolve_model(cfg.model, dummy_weights=cfg.dummy_weights())
+    session = ray_session(cfg)
+    manifest = preprocess(ingest(cfg), cfg)  # not timed: B is the inference stage alone
+    engine = resolve_engine(cfg, model, session.preset(a.device), session.gpus(), session.started_here)
+    import ray.data
+
+    consumed = []  # the dataset(s) the stage's driver loop reads: their Ray Data stats go to a log
+    iter_rows = ray.data.Dataset.iter_rows
+
+    def recording_iter_rows(self, *args, **kwargs):
+        consumed.append(self)
+        return iter_rows(self, *args, **kwargs)
+
+    ray.data.Dataset.iter_rows = recording_iter_rows
+    t_start = time.time()
+    try:
+        res = run_inference(cfg, manifest, model, engine)
+    except RowsFailed as e:
+        res = e.result
+    Path(a.work, "phase-stage-datastats.log").write_text("\n\n".join(d.stats() for d in consumed))
+    stamps, out_tok, in_tok = commit_times(res.run_dir)
+    r = pipeline_rates(res.captioned, t_start, stamps, out_tok)
+    r["rows_per_engine"] = sorted(save_engine_logs(Path(a.work) / "phase-stage-engines.log").values())
+    if "t10" in r:
+        r["engine_load_10_90"] = engine_load(r["t10"], r["t90"], a.max_tokens)
+    r.update(
+        {
+            "failed": res.failed,
+            "mean_input_tokens": round(in_tok, 1),
+            "output_tokens": out_tok,
+            "engines": engine.concurrency,
+            "engines_per_gpu": engine.engines_per_gpu,
+            "batch_size": engine.batch_size,
+            "max_concurrent_batches": engine.max_concurrent_batches,
+            "max_pending_requests": max_pending_requests(engine),
+            "engine_kwargs": engine.engine_kwargs,
+            "cuda_mps": engine.mps,
+        }
+    )
+    return r
