@@ -96,7 +96,7 @@ def prewarm_workers(cfg: RunConfig, engine: EngineSettings) -> None:
     from captionflow.pipeline.worker_prewarm import start
 
     cpus = ray_session(cfg).resources().get("CPU", 1)
-    start(min(engine.preset.map_concurrency + 4, int(cpus // 2)))
+    start(min(engine.map_concurrency + 4, int(cpus // 2)))
 
 
 # ---------------------------------------------------------------- storage

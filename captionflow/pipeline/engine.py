@@ -44,6 +44,9 @@ class EngineSettings:
     # engine_kwargs as one engine alone on its GPU would have them (None: this is one alone already)
     solo_engine_kwargs: dict[str, Any] | None = None
     engine_metrics: bool = False  # vLLM engine metrics exported through Ray's Prometheus endpoint
+    # most tasks at once of each plain map/read operator of the LLM passes: the preset's per GPU the engines span
+    # (their request building scales with the engines it feeds; one count for every G kept G GPUs at one GPU's rate)
+    map_concurrency: int = 1
 
     def service_engines(self) -> tuple[EngineSettings, int]:
         """The warm service's engines: these settings and how many long-lived replicas hold them - the run's own
@@ -169,6 +172,7 @@ def resolve_engine(
         return kwargs
 
     engine_kwargs = final(layout_kwargs)
+    engine_groups = max(1, concurrency // k) if preset.engine_gpus else 1  # GPUs' worth of engines
     return EngineSettings(
         preset=preset,
         batch_size=cfg.batch_size or preset.batch_size,
@@ -185,6 +189,7 @@ def resolve_engine(
         image_grid=image_grid(model.path, max_pixels),
         solo_engine_kwargs=final({}) if layout_kwargs else None,
         engine_metrics=engine_metrics,
+        map_concurrency=preset.map_concurrency * engine_groups,
     )
 
 

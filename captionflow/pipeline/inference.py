@@ -204,7 +204,7 @@ def _caption_rows(
         ds = read_pending(store.fs, shards, ["image_id", "image"], pending, engine, fitted)
         return processor(ds).map(
             functools.partial(caption_fixed_schema, model_fp=model.fingerprint, attempt=attempt),
-            **map_task_kwargs(engine.preset),
+            **map_task_kwargs(engine),
         )
 
     return rows_for

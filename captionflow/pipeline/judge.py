@@ -134,7 +134,7 @@ def judge_passes(
     shards = shard_paths(store, manifest)
     fitted = fitted_folder(cfg, store, manifest, engine)
     sampling = {"max_tokens": max_tokens, "temperature": 0.0, "seed": cfg.seed, "structured_outputs": {"regex": regex}}
-    map_kwargs = map_task_kwargs(engine.preset)
+    map_kwargs = map_task_kwargs(engine)
 
     def rows_for(attempt: int, pending: list[str], judge_path: str):
         processor = build_vlm_processor(

@@ -26,17 +26,17 @@ from captionflow.compat.cuda_mps import ensure_mps
 from captionflow.compat.driver_imports import prewarmed, without_vllm
 from captionflow.data.layout import FITTED, dataset_parts
 from captionflow.pipeline.engine import EngineSettings
-from captionflow.pipeline.presets import Preset
 from captionflow.pipeline.session import WORKER_ENV, keep_sigterm
 from captionflow.workers.fitted_images import cache_key, fitted_path
 from captionflow.workers.llm_rows import read_pending_rows
 
 
-def map_task_kwargs(preset: Preset) -> dict[str, Any]:
-    """Resources and concurrency of every plain map/read task of the LLM passes (see presets.py)."""
+def map_task_kwargs(engine: EngineSettings) -> dict[str, Any]:
+    """Resources and concurrency of every plain map/read task of the LLM passes (see presets.py): the preset's
+    count per GPU the engines span (``EngineSettings.map_concurrency``)."""
     import ray.data
 
-    return {"num_cpus": preset.map_cpus, "compute": ray.data.TaskPoolStrategy(size=preset.map_concurrency)}
+    return {"num_cpus": engine.preset.map_cpus, "compute": ray.data.TaskPoolStrategy(size=engine.map_concurrency)}
 
 
 def read_pending(
@@ -59,7 +59,6 @@ def read_pending(
     """
     import ray
 
-    preset = engine.preset
     shards = [{"shard": p, "fitted": fitted_path(fitted, p) if fitted else ""} for p in shard_paths]
     ds = ray.data.from_items(shards, override_num_blocks=max(len(shard_paths), 1))
     read = functools.partial(
@@ -69,7 +68,7 @@ def read_pending(
         pending=pa.array(pending, pa.string()),
         grid=engine.image_grid if fitted else None,
     )
-    ds = ds.map_batches(read, batch_size=1, batch_format="pyarrow", **map_task_kwargs(preset))
+    ds = ds.map_batches(read, batch_size=1, batch_format="pyarrow", **map_task_kwargs(engine))
     return ds.repartition(target_num_rows_per_block=engine.batch_size)
 
 
@@ -137,7 +136,7 @@ def build_vlm_processor(
         detokenize_stage={**cpu_stage, "enabled": preset.tokenize_in_ray},
         **extra,
     )
-    map_kwargs = map_task_kwargs(preset)
+    map_kwargs = map_task_kwargs(engine)
     with keep_sigterm(), without_vllm():  # building a processor calls ray.init again; no vLLM in the driver
         if warm is not None:  # the same settings; the stages run warm in the service's replica (service/feed.py)
             return _warm_processor(config, warm, engine, preprocess, postprocess, map_kwargs)
@@ -166,7 +165,7 @@ def _warm_processor(config, warm, engine: EngineSettings, preprocess, postproces
     # (docs/sizing.md).
     preprocess_kwargs = {
         **map_kwargs,
-        "compute": ray.data.TaskPoolStrategy(size=max(engine.preset.map_concurrency, 2 * len(warm.apps))),
+        "compute": ray.data.TaskPoolStrategy(size=max(engine.map_concurrency, 2 * len(warm.apps))),
     }
     processor = Processor(
         config, [], preprocess=preprocess, postprocess=postprocess, preprocess_map_kwargs=preprocess_kwargs

@@ -49,6 +49,10 @@ def test_gpu_layout_shares_each_gpu_between_the_engines_that_feed_it(builtin_mod
     assert e.engine_kwargs["kv_cache_memory_bytes"] == GPU.kv_cache_bytes  # fixed: they share the GPU
     assert e.engine_kwargs["renderer_num_workers"] >= 2 and e.engine_kwargs["mm_processor_cache_gb"] == 0
     assert e.service_engines() == (e, 2 * e.engines_per_gpu)  # the warm service: the same engines, kept warm
+    # the request-building tasks scale with the GPUs the engines span (one count for any G capped G GPUs at one's rate)
+    one_gpu = resolve_engine(RunConfig(gpu_memory_gib=80, cuda_mps="off"), model, GPU, gpus=1, local_ray=True)
+    assert one_gpu.map_concurrency == GPU.map_concurrency and e.map_concurrency == 2 * GPU.map_concurrency
+    assert resolve_engine(RunConfig(), model, CPU).map_concurrency == CPU.map_concurrency
     one = e.single_engine()  # one engine owns its GPU
     assert one.engines_per_gpu == 1 and one.gpu_share == 1.0 and one.concurrency == 2 and one.mps == "off"
     assert "kv_cache_memory_bytes" not in one.engine_kwargs  # alone on its GPU, it sizes its KV cache itself
