@@ -126,12 +126,13 @@ PRESETS = {"cpu": CPU, "gpu": GPU}
 N_MAP_TASKS = 5
 
 
-def pipeline_cpus(preset: Preset, concurrency: int) -> float:
-    """Sum of the logical CPUs every stage of the inference pipeline declares (CPU stages at full size)."""
+def pipeline_cpus(preset: Preset, concurrency: int, gpus: int = 1) -> float:
+    """Sum of the logical CPUs every stage of the inference pipeline declares (CPU stages at full size) for
+    ``concurrency`` engines over ``gpus`` GPUs: the engines, and a task of each plain map/read operator per GPU."""
     n_cpu_stages = 2 if preset.tokenize_in_ray else 0  # tokenize + detokenize (requests come rendered)
     return (
         n_cpu_stages * preset.cpu_stage_concurrency * preset.cpu_stage_cpus
-        + N_MAP_TASKS * preset.map_cpus
+        + N_MAP_TASKS * preset.map_cpus * max(1, gpus)
         + concurrency * preset.engine_cpus
     )
 
@@ -170,7 +171,7 @@ def engines_per_gpu(
     return max(1, min(preset.max_engines_per_gpu, int(0.9 * gpu_memory_bytes // per_engine)))
 
 
-def local_ray_cpus(preset: Preset, concurrency: int, override: int | None = None) -> int:
+def local_ray_cpus(preset: Preset, concurrency: int, override: int | None = None, gpus: int = 1) -> int:
     if override:
         return override
-    return max(os.cpu_count() or 1, math.ceil(pipeline_cpus(preset, concurrency)) + 1)
+    return max(os.cpu_count() or 1, math.ceil(pipeline_cpus(preset, concurrency, gpus)) + 1)

@@ -138,6 +138,17 @@ def _init(**kwargs) -> None:
         ray.init(**kwargs)
 
 
+def local_num_cpus(cfg: RunConfig, preset: Preset, gpus: int) -> int:
+    """Logical CPUs of a local Ray for one pipeline of ``preset`` on this machine's ``gpus`` GPUs: the engines of
+    every GPU (a tensor-parallel engine spans ``tensor_parallel_size`` of them) and the plain tasks that feed them.
+    Sized for one GPU's engines, the engines of 2 GPUs (a 32-core host) or 4 (64 cores) held every CPU, Ray Data's
+    reads never got one, and the run hung with every engine loaded."""
+    groups = max(1, gpus // cfg.tensor_parallel_size) if preset.engine_gpus else 1
+    per_gpu = cfg.engines_per_gpu or preset.max_engines_per_gpu
+    engines = cfg.concurrency or preset.concurrency * per_gpu * groups
+    return local_ray_cpus(preset, engines, gpus=groups)
+
+
 def ray_session(cfg: RunConfig, pipelines: int = 1) -> RaySession:
     """The process's Ray session: connect to the cluster, else start a local Ray sized for ``cfg`` (for
     ``pipelines`` runs at once: parallel evaluations of checkpoints).
@@ -174,8 +185,6 @@ def ray_session(cfg: RunConfig, pipelines: int = 1) -> RaySession:
         os.environ["RAY_enable_metrics_collection"] = "1"  # noqa: SIM112 - Ray's own spelling
     gpus = local_gpus()
     hint = PRESETS[cfg.device] if cfg.device != "auto" else PRESETS["gpu" if gpus else "cpu"]
-    per_gpu = cfg.engines_per_gpu or hint.max_engines_per_gpu
-    engines = cfg.concurrency or hint.concurrency * per_gpu
     # A local Ray's workers inherit this process's environment (WORKER_ENV is set above). A job
     # runtime_env, even env_vars alone, makes Ray start new workers instead of the ones it prestarted
     # (2 fresh worker processes, ~2 s of CPU each, before the first task on 2 cores), so the job gets
@@ -185,7 +194,7 @@ def ray_session(cfg: RunConfig, pipelines: int = 1) -> RaySession:
     # or crashed cluster; without it, ray.init would try to join that one with our sizing and refuse)
     _init(
         address="local",
-        num_cpus=cfg.ray_num_cpus or local_ray_cpus(hint, engines) * pipelines,
+        num_cpus=cfg.ray_num_cpus or local_num_cpus(cfg, hint, gpus) * pipelines,
         num_gpus=gpus,
         include_dashboard=False,
         _metrics_export_port=cfg.metrics_port,

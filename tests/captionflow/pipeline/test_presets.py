@@ -19,6 +19,23 @@ def test_a_local_ray_has_room_for_every_stage_at_once():
     assert local_ray_cpus(CPU, 1, override=7) == 7
 
 
+def test_a_local_ray_on_g_gpus_has_room_for_every_gpus_engines_and_their_reads(monkeypatch):
+    """Sized for one GPU's engines, a local Ray on a 2-GPU 32-core host (and a 4-GPU 64-core one) gave the engines
+    every CPU: the reads never ran and the run hung with every engine loaded (H200 hosts, 2026-11-28)."""
+    from captionflow.pipeline.session import local_num_cpus
+
+    for gpus in (1, 2, 4, 8):
+        monkeypatch.setattr("os.cpu_count", lambda gpus=gpus: 16 * gpus)  # the lent hosts: 16 cores per GPU
+        cpus = local_num_cpus(RunConfig(device="gpu"), GPU, gpus)
+        engines = gpus * GPU.max_engines_per_gpu
+        # every engine and, beside them, at least one task of each plain operator per GPU
+        assert cpus >= engines * GPU.engine_cpus + gpus * 5 * GPU.map_cpus, (gpus, cpus)
+    tp = local_num_cpus(RunConfig(device="gpu", tensor_parallel_size=2, engines_per_gpu=1), GPU, 4)
+    assert tp >= 2 * GPU.engine_cpus + 2 * 5 * GPU.map_cpus  # two engines of two GPUs each
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert local_num_cpus(RunConfig(device="cpu"), CPU, 0) == local_ray_cpus(CPU, 1)  # CPU: as before
+
+
 def test_engine_settings_take_the_preset_then_the_runs_overrides(builtin_model_dir):
     model = resolve_model("builtin")
     e = resolve_engine(RunConfig(), model, CPU)
