@@ -1,0 +1,150 @@
+"""The sequential verdict's confidence sequence, tested by simulation against what it promises: under no difference
+it says "better" or "worse" in at most alpha of the streams, however often it is looked at; the whole set's mean is
+inside its interval at every look in >= 1 - alpha of the streams; a clear difference stops it early. A naive
+interval recomputed after every batch fails the same false-verdict check (the check can fail)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from captionflow.evaluation.sequential import ConfidenceSequence, seeded_order
+
+ALPHA = 0.05
+STREAMS = 2000
+N = 200  # images in each simulated golden set
+BATCH = 20  # differences per committed batch: a look after each
+GRID = 201
+
+
+def _cider_like(rng, n):
+    """Per-image CIDEr-D-like scores: a mass of zeros and a long right tail, clipped to the score's bounds."""
+    s = rng.gamma(0.8, 0.7, n) * (rng.random(n) > 0.25)
+    return np.clip(s, 0, 10)
+
+
+def _judge_like(rng, n):
+    return rng.choice([1, 2, 3, 4, 5], size=n, p=[0.1, 0.2, 0.3, 0.25, 0.15]).astype(float)
+
+
+# primary scores and their bounds: (score lo, score hi) -> differences within (lo - hi, hi - lo)
+SCORES = {"cider": (_cider_like, (0.0, 10.0)), "judge": (_judge_like, (1.0, 5.0))}
+
+
+def _null_population(rng, make, n):
+    """Paired differences whose mean over the set is exactly 0: the baseline's scores are a permutation of this
+    checkpoint's (the same distribution, image by image unrelated)."""
+    a = make(rng, n)
+    return a - rng.permutation(a)
+
+
+def _run(differences, bounds, method="cs", delta=0.0):
+    """Look after every batch of the order's prefix: (the first decisive look's verdict or None, its n, whether the
+    set's mean was ever outside the interval at a look)."""
+    n = len(differences)
+    truth = differences.mean()
+    missed = False
+    if method == "cs":
+        lo, hi = bounds[0] - bounds[1], bounds[1] - bounds[0]
+        cs = ConfidenceSequence(n, (lo, hi), ALPHA, delta=delta, grid=GRID)
+    for end in range(BATCH, n + 1, BATCH):
+        if method == "cs":
+            v = cs.update(differences[end - BATCH : end])
+            decision, lower, upper = v.decision, v.lower, v.upper
+        else:  # the naive look: a 95% normal interval over what has been seen, recomputed each time
+            seen = differences[:end]
+            half = 1.96 * seen.std(ddof=1) / np.sqrt(end)
+            lower, upper = seen.mean() - half, seen.mean() + half
+            decision = "better" if lower > 0 else "worse" if upper < 0 else "continue"
+        missed = missed or not (lower - 1e-12 <= truth <= upper + 1e-12)
+        if decision != "continue" and end < n:
+            return decision, end, missed
+    return None, n, missed
+
+
+@pytest.mark.parametrize("score", sorted(SCORES))
+def test_under_no_difference_it_says_better_or_worse_in_at_most_alpha_of_the_streams(score):
+    make, bounds = SCORES[score]
+    rng = np.random.default_rng(7)
+    false = 0
+    for _ in range(STREAMS):
+        d = _null_population(rng, make, N)
+        decision, _, _ = _run(d[rng.permutation(N)], bounds)
+        false += decision in ("better", "worse")
+    assert false / STREAMS <= ALPHA, (score, false)
+
+
+def test_a_naive_interval_recomputed_after_every_batch_does_not_hold_alpha():
+    """The same check on a bootstrap-style interval peeked at after every batch: its false verdicts exceed alpha,
+    so the check above can fail."""
+    make, bounds = SCORES["cider"]
+    rng = np.random.default_rng(7)
+    false = sum(
+        _run(_null_population(rng, make, N)[rng.permutation(N)], bounds, method="naive")[0] in ("better", "worse")
+        for _ in range(STREAMS)
+    )
+    assert false / STREAMS > 1.4 * ALPHA  # ~0.08 with 10 looks at 200 images; the standard error is ~0.005
+
+
+def test_the_sets_mean_stays_inside_the_interval_at_every_look_in_at_least_1_minus_alpha():
+    make, bounds = SCORES["cider"]
+    rng = np.random.default_rng(11)
+    missed = 0
+    for _ in range(STREAMS):
+        a = make(rng, N)
+        b = np.clip(make(rng, N) + rng.normal(0.1, 0.3, N), 0, 10)  # a small, real difference
+        _, _, miss = _run((a - b)[rng.permutation(N)], bounds)
+        missed += miss
+    assert missed / STREAMS <= ALPHA
+
+
+def test_a_planted_clear_difference_is_called_within_1000_of_5000_images():
+    """A baseline whose captions are the references for a third of the images (CIDEr-D near its top there)."""
+    rng = np.random.default_rng(3)
+    n = 5000
+    ours = _cider_like(rng, n)
+    baseline = _cider_like(rng, n)
+    planted = rng.random(n) < 1 / 3
+    baseline[planted] = np.clip(rng.normal(6.0, 1.5, planted.sum()), 0, 10)
+    d = ours - baseline
+    cs = ConfidenceSequence(n, (-10.0, 10.0), ALPHA)
+    order = rng.permutation(n)
+    for end in range(32, n + 1, 32):
+        v = cs.update(d[order[end - 32 : end]])
+        if v.decision != "continue":
+            break
+    assert v.decision == "worse" and v.n <= 1000, v
+    assert v.lower <= d.mean() <= v.upper
+    assert cs.trajectory[-1][0] == v.n and len(cs.trajectory) == v.n  # an interval after every image
+
+
+def test_the_same_captions_are_called_equivalent_within_the_margin_and_the_set_end_is_exact():
+    d = np.zeros(400)
+    cs = ConfidenceSequence(400, (-1.0, 1.0), ALPHA, delta=0.05)
+    v = None
+    for end in range(50, 401, 50):
+        v = cs.update(d[end - 50 : end])
+        if v.decision != "continue":
+            break
+    assert v.decision == "equivalent" and v.n < 400 and -0.05 <= v.lower <= v.upper <= 0.05
+    full = ConfidenceSequence(3, (-1.0, 1.0), ALPHA)
+    assert full.update([0.5, -0.25, 0.5]).decision == "better"  # every image seen: the set's mean, exactly
+    assert full.interval() == pytest.approx((0.25, 0.25))
+
+
+def test_bad_input_is_refused_with_what_is_wrong():
+    with pytest.raises(ValueError, match="at least one image"):
+        ConfidenceSequence(0, (-1.0, 1.0))
+    with pytest.raises(ValueError, match="alpha"):
+        ConfidenceSequence(10, (-1.0, 1.0), alpha=1.5)
+    cs = ConfidenceSequence(2, (-1.0, 1.0))
+    with pytest.raises(ValueError, match="3 differences for a set of 2"):
+        cs.update([0.1, 0.2, 0.3])
+
+
+def test_the_order_is_a_seeded_permutation_independent_of_the_listing():
+    ids = [f"img-{i}" for i in range(50)]
+    order = seeded_order(ids, "dataset-fp/baseline-fp")
+    assert sorted(order) == sorted(ids) and order != sorted(ids)
+    assert seeded_order(list(reversed(ids)), "dataset-fp/baseline-fp") == order  # the listing's order: irrelevant
+    assert seeded_order(ids, "dataset-fp/other-baseline") != order
