@@ -32,3 +32,8 @@ class EngineFailed(CaptionflowError, RuntimeError):
 
 class BaselineError(CaptionflowError, ValueError):
     """``pairwise_against`` names nothing this run can be compared with."""
+
+
+class ClusterUnreachable(CaptionflowError, ConnectionError):
+    """``ray_address`` (or ``RAY_ADDRESS``) names a Ray cluster that does not answer: a typo, or a head that is down.
+    Not retried: Ray itself waited 13.7 min on such an address before failing, and Prefect then retried it."""

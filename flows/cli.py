@@ -124,12 +124,12 @@ def _config(args: argparse.Namespace) -> RunConfig:
 def _flow_call(fn, **kwargs):
     """Run a flow; captionflow's own errors become one line: bad input (a ValueError: dataset, model, options,
     or an output or device that cannot be used) exit status 2, other named failures 1."""
-    from captionflow.errors import CaptionflowError
+    from captionflow.errors import CaptionflowError, ClusterUnreachable
     from captionflow.preflight import OutputError, PlacementError
 
     try:
         return fn(**kwargs)
-    except (ValueError, OutputError, PlacementError) as e:
+    except (ValueError, OutputError, PlacementError, ClusterUnreachable) as e:
         if isinstance(e, CaptionflowError):
             raise _UserError(str(e)) from None
         raise

@@ -149,6 +149,36 @@ def local_num_cpus(cfg: RunConfig, preset: Preset, gpus: int) -> int:
     return local_ray_cpus(preset, engines, gpus=groups)
 
 
+REACH_TIMEOUT_S = 10.0
+
+
+def check_reachable(address: str, from_env: bool = False, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """Raise ``ClusterUnreachable`` unless something accepts a TCP connection at ``address``'s host and port
+    within ``timeout_s``: before ``ray.init``, which waits many minutes on an address where nothing answers.
+    ``auto`` and ``local`` name no address to check."""
+    import socket
+
+    from captionflow.errors import ClusterUnreachable
+
+    target = address.removeprefix("ray://")
+    if target in ("auto", "local") or ":" not in target:
+        return
+    host, _, port = target.rpartition(":")
+    where = f"ray_address {address}" + (" (from RAY_ADDRESS)" if from_env else "")
+    try:
+        port_n = int(port)
+    except ValueError:
+        raise ClusterUnreachable(f"{where}: the port {port!r} is not a number") from None
+    try:
+        with socket.create_connection((host.strip("[]"), port_n), timeout=timeout_s):
+            pass
+    except OSError as e:
+        why = f"nothing answered within {timeout_s:g} s" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        raise ClusterUnreachable(
+            f"{where}: no Ray cluster reachable there ({why.lower()}); check the address, or that the head node is up"
+        ) from None
+
+
 def ray_session(cfg: RunConfig, pipelines: int = 1) -> RaySession:
     """The process's Ray session: connect to the cluster, else start a local Ray sized for ``cfg`` (for
     ``pipelines`` runs at once: parallel evaluations of checkpoints).
@@ -171,6 +201,7 @@ def ray_session(cfg: RunConfig, pipelines: int = 1) -> RaySession:
     # Ray does not run a setup hook given to a single actor's runtime_env.
     hook = {"worker_process_setup_hook": vllm_warmup.SETUP_HOOK}
     if address:
+        check_reachable(address, os.environ.get("RAY_ADDRESS") == address and not cfg.ray_address)
         # worker output streams to this process for run_log (it forwards the key lines, prints none of it)
         client = address.startswith("ray://")
         _init(address=address, runtime_env={"env_vars": WORKER_ENV, **hook}, log_to_driver=not client)

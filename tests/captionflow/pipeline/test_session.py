@@ -40,3 +40,39 @@ def test_prefects_sigterm_bridge_stays_armed_while_ray_starts():
     assert done.returncode == 0, done.stderr[-3000:]
     assert "armed during ray.init: True after: True" in done.stdout, done.stdout + done.stderr[-3000:]
     assert "plain handler kept: True" in done.stdout, done.stdout
+
+
+UNREACHABLE = textwrap.dedent(
+    """
+    import socket, sys, time
+    from captionflow.config import RunConfig
+    from captionflow.errors import ClusterUnreachable
+    from captionflow.pipeline.session import ray_session
+
+    with socket.socket() as s:  # a loopback port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    try:
+        ray_session(RunConfig(ray_address=f"127.0.0.1:{port}"))
+    except ClusterUnreachable as e:
+        print("REFUSED", round(time.monotonic() - t0, 1), str(e).count("\\n"), e)
+    import ray
+    print("INITIALIZED", ray.is_initialized())
+    """
+)
+
+
+def test_an_unreachable_ray_address_fails_at_once_in_one_line_and_is_not_retried():
+    """Ray's own connect waited 13.7 min on such an address, then Prefect retried it."""
+    from captionflow.errors import ClusterUnreachable
+    from tasks.policy import is_permanent
+
+    r = subprocess.run([sys.executable, "-c", UNREACHABLE], capture_output=True, text=True, timeout=120)
+    out = r.stdout
+    assert "REFUSED" in out, r.stdout + r.stderr[-3000:]
+    line = out[out.index("REFUSED") :].splitlines()[0].split(" ", 3)
+    assert float(line[1]) < 15 and line[2] == "0"  # at once, one line
+    assert "ray_address 127.0.0.1:" in line[3] and "no Ray cluster reachable there" in line[3]
+    assert "INITIALIZED False" in out  # Ray was never asked to connect
+    assert is_permanent(ClusterUnreachable("x"))
