@@ -101,6 +101,21 @@ def compact_leaderboard(store: Store) -> None:
             store.write_table(pa.Table.from_pylist(rows), LEADERBOARD)
 
 
+_MD_SPECIAL = str.maketrans({c: f"\\{c}" for c in "\\`*_[]|#"})
+
+
+def md_text(value: object, limit: int | None = None) -> str:
+    """Text from a run's data (a caption, a file name, a model's path) as it must stand in a Markdown table cell or
+    line: on one line (``\\r`` and newlines as spaces), HTML shown as text (``<`` ``>`` ``&`` as entities), and
+    Markdown's own characters (``|`` ending a cell, ``*``, ``_``, backticks...) escaped; cut to ``limit``
+    characters first. The one escaping of every Markdown artifact and report."""
+    text = " ".join(str(value).replace("\r\n", "\n").replace("\r", "\n").split("\n"))
+    if limit is not None and len(text) > limit:
+        text = text[: limit - 1] + "…"
+    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return text.translate(_MD_SPECIAL)
+
+
 def significance_lines(comp: dict) -> list[str]:
     """The paired bootstrap of each comparison (captionflow/evaluation/significance.py) as a table."""
     lines: list[str] = []
@@ -110,11 +125,14 @@ def significance_lines(comp: dict) -> list[str]:
         if not sig:
             continue
         if "error" in sig:
-            lines += [f"Is the difference against `{d['model']}` real? Not computed: {sig['error']}", ""]
+            lines += [
+                f"Is the difference against {md_text(d['model'])} real? Not computed: {md_text(sig['error'])}",
+                "",
+            ]
             continue
         n = max((v["n_images"] for v in sig.values()), default=0)
         lines += [
-            f"### Is the difference real? Against the {label.replace('_', ' ')} run `{d['model']}` "
+            f"### Is the difference real? Against the {label.replace('_', ' ')} run {md_text(d['model'])} "
             f"(paired bootstrap over {n} images)",
             "",
             "| metric | Δ | 95% interval | p (Holm) | verdict |",
@@ -142,9 +160,7 @@ def _health_lines(health: dict | None) -> list[str]:
         "|---|---|---|---|",
     ]
     for fault, count in health["counts"].items():
-        shown = "; ".join(
-            f"`{e['image_id']}`: {e['caption'][:80]!r}".replace("|", "\\|") for e in health["examples"][fault]
-        )
+        shown = "; ".join(f"{md_text(e['image_id'])}: {md_text(e['caption'], 80)}" for e in health["examples"][fault])
         lines.append(f"| {fault.replace('_', ' ')} | {count} | {health['rates'][fault]:.1%} | {shown or '-'} |")
     return [*lines, ""]
 
@@ -160,7 +176,7 @@ def slice_lines(slices: list[dict]) -> list[str]:
     ]
     for r in slices:
         cells = " | ".join("-" if r[k] is None else f"{r[k]:.4f}" for k in cols)
-        lines.append(f"| {r['slice']} | {r['n']} | {cells} |")
+        lines.append(f"| {md_text(r['slice'])} | {r['n']} | {cells} |")
     return [*lines, ""]
 
 
@@ -170,9 +186,9 @@ def pairwise_lines(p: dict) -> list[str]:
         return ["## Pairwise judge", "", f"Not judged: {p['note']}.", ""]
     st = p.get("stats")
     lines = [
-        f"## Pairwise judge against `{p['baseline_model']}`",
+        f"## Pairwise judge against {md_text(p['baseline_model'])}",
         "",
-        f"- judge `{p['judge_model']}`; {p['judged']} images judged in both orders (captions swapped), "
+        f"- judge {md_text(p['judge_model'])}; {p['judged']} images judged in both orders (captions swapped), "
         f"{p['failed']} judgements failed, answers parsed {p['parse_rate']:.0%}",
         f"- this checkpoint won {p['wins']}, lost {p['losses']}, split or tied {p['ties']}; "
         f"the two orders agreed on {p['consistency']:.0%} of the images",
@@ -193,8 +209,8 @@ def render_report(
     lines = [
         "# captionflow report",
         "",
-        f"- model: `{model_source}`",
-        f"- dataset: `{manifest.source}` (`{manifest.dataset_fingerprint}`)",
+        f"- model: {md_text(model_source)}",
+        f"- dataset: {md_text(manifest.source)} (`{manifest.dataset_fingerprint}`)",
         f"- inputs: {c.listed} listed, {c.accepted} accepted, {c.quarantined} quarantined, {c.duplicates} duplicates",
         f"- captioned: {inference.captioned}, failed: {inference.failed}",
         "- to look at: `report.html` beside this file (thumbnails, side by side with the compared checkpoint, chart)",
@@ -209,7 +225,7 @@ def render_report(
             lines.append(f"| {k} | {ref[k]:.4f} |")
     clip = metrics.get("clip")
     if clip and clip.get("mean") is not None:
-        lines.append(f"| CLIPScore (reference-free, `{clip['clip_model']}`) | {clip['mean']:.4f} |")
+        lines.append(f"| CLIPScore (reference-free, {md_text(clip['clip_model'])}) | {clip['mean']:.4f} |")
     if not ref:
         why = (
             "no reference metric: the dataset has no reference captions (a `captions.jsonl` beside the images, or "
@@ -264,7 +280,7 @@ def render_report(
             d = comp.get(label)
             if d:
                 cells = " | ".join("" if d.get(k) is None else f"{d[k]:+.4f}" for k in COMPARED)
-                lines.append(f"| {label.replace('_', ' ')} | `{d['model']}` | {cells} |")
+                lines.append(f"| {label.replace('_', ' ')} | {md_text(d['model'])} | {cells} |")
         lines.append("")
         lines += significance_lines(comp)
     scored = [r for r in scores if r.get("cider") is not None]
@@ -273,9 +289,8 @@ def render_report(
         for title, part in (("Best captions (CIDEr)", scored[:3]), ("Worst captions (CIDEr)", scored[-3:][::-1])):
             lines += [f"## {title}", "", "| image | caption | references | CIDEr |", "|---|---|---|---|"]
             for r in part:
-                cap = r["caption"].replace("|", "\\|").replace("\n", " ")[:120]
-                refs = " / ".join(r["references"]).replace("|", "\\|")[:160]
-                lines.append(f"| {r['source']} | {cap} | {refs} | {r['cider']:.3f} |")
+                cap, refs = md_text(r["caption"], 120), md_text(" / ".join(r["references"]), 160)
+                lines.append(f"| {md_text(r['source'])} | {cap} | {refs} | {r['cider']:.3f} |")
             lines.append("")
     return "\n".join(lines) + "\n"
 

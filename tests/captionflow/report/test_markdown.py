@@ -124,7 +124,7 @@ def test_report_shows_counts_metrics_and_best_and_worst_captions():
     text = render_report("ckpt-9", manifest, inference, metrics, scores)
     assert "- inputs: 5 listed, 4 accepted, 1 quarantined, 0 duplicates" in text
     assert "| cider | 0.5000 |" in text and "| truncated at max_tokens | 25.0% |" in text
-    assert "| previous | `old` |" in text and "-0.2500" in text
+    assert "| previous | old |" in text and "-0.2500" in text
     best = text[text.index("## Best captions") : text.index("## Worst captions")]
     assert best.index("img3.jpg") < best.index("img2.jpg") and "a \\| cat 3" in best
     assert "no reference metric" not in text and "None to compare" not in text
@@ -144,6 +144,67 @@ def test_report_lists_caption_health_with_examples():
     ]
     text = "\n".join(_health_lines(caption_health(rows, ["Describe this image."])))
     assert "## Caption health" in text
-    assert "| refusal | 1 | 50.0% | `a`: " in text and "cannot \\| describe" in text  # the pipe cannot break the table
+    assert "| refusal | 1 | 50.0% | a: " in text and "cannot \\| describe" in text  # the pipe cannot break the table
     assert "| prompt echo | 0 | 0.0% | - |" in text
     assert _health_lines(None) == [] and _health_lines(caption_health([], [])) == []
+
+
+HOSTILE = [
+    "two\r\nlines | and a pipe",
+    "a <b>bold</b> <img src=x onerror=alert(1)> tag",
+    "carriage\rreturn and *stars* and _under_ and `ticks`",
+    "# not a heading\n| not | a | row |",
+]
+
+
+def test_captions_and_file_names_cannot_break_the_markdown():
+    """Captions and file names with \\r, newlines, pipes and HTML: every table row of the rendered report keeps its
+    cells, no tag from the data becomes an element, and the text is still there to read (a real CommonMark + GFM
+    renderer: markdown-it)."""
+    from markdown_it import MarkdownIt
+
+    from captionflow.report.markdown import md_text
+
+    manifest = Manifest(
+        dataset_fingerprint="ds",
+        schema_version=1,
+        source="/data/<golden>|set",
+        kind="images",
+        counts=Counts(listed=4, accepted=4, quarantined=0, duplicates=0),
+        quarantine_reasons={},
+        shards=[],
+        params={},
+        seconds=0.1,
+    )
+    inference = InferenceResult(
+        run_dir="/out/runs/x", run_parts=("runs", "ds", "m", "g"), accepted=4, captioned=4, failed=0,
+        resumed_from=0, passes=[], timings_s={},
+    )  # fmt: skip
+    stats = {"words": {"mean": 5.0}, "truncated_rate": 0, "empty_rate": 0, "repetition_rate": 0, "failure_rate": 0}
+    metrics = {
+        "stats": {**stats, "vocabulary_size": 9},
+        "reference": {"cider": 0.5},
+        "comparison": {"previous": {"model": "ckpt|<i>old</i>", "run_dir": "/r", "cider": -0.1}},
+    }
+    scores = [
+        {"source": f"{h[:12]}.jpg", "caption": h, "references": [h], "cider": i / 10} for i, h in enumerate(HOSTILE)
+    ]
+    text = render_report("model\n<script>x</script>", manifest, inference, metrics, scores)
+    html = MarkdownIt("commonmark").enable("table").render(text)
+    assert "<script" not in html and "<b>" not in html and "<img" not in html and "<i>" not in html
+    assert "&lt;b&gt;bold&lt;/b&gt;" in html  # shown as text
+    tokens = MarkdownIt("commonmark").enable("table").parse(text)
+    rows, cells, widths = 0, 0, []
+    for t in tokens:
+        if t.type == "thead_open":
+            widths.append(None)
+        elif t.type == "tr_open":
+            rows, cells = rows + 1, 0
+        elif t.type in ("th_open", "td_open"):
+            cells += 1
+        elif t.type == "tr_close":
+            widths[-1] = widths[-1] or cells
+            assert cells == widths[-1], text  # no row gained or lost a cell
+    best = text[text.index("## Best captions") : text.index("## Worst captions")]
+    assert len([line for line in best.splitlines() if line.startswith("| ")]) == 1 + 3  # header + 3 rows, none split
+    assert md_text("a\r\nb\rc\nd") == "a b c d" and md_text("x" * 10, 5) == "xxxx…"
