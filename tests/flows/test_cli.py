@@ -171,6 +171,39 @@ def test_status_shows_deployments_runs_automations_and_the_board(prefect_api, tm
     assert "warm engine service:" in text and "leaderboard" in text and "step-2000" in text
 
 
+def test_status_lists_the_last_runs_failed_and_cancelled_included_not_the_scheduled_ones(prefect_api, tmp_path, capsys):
+    """A real server's scheduler makes the nightly's next runs ahead of time: sorted with them, the "last runs" were
+    three future ones, and a Failed and a Cancelled run were not shown."""
+    import datetime
+    import uuid
+
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled, Failed, Scheduled
+
+    from captionflow.config import RunConfig
+    from deployments.deploy import deploy
+    from flows.cli import main
+
+    out = _board(tmp_path)
+    ids = deploy(RunConfig(output=out, dataset="demo"), work_pool=f"pool-{uuid.uuid4().hex[:6]}")
+    nightly = uuid.UUID(ids["golden-nightly"])
+    now = datetime.datetime.now(datetime.UTC)
+    with get_client(sync_client=True) as client:
+        for name, state in (("failed-one", Failed(message="x")), ("cancelled-one", Cancelled())):
+            run = client.create_flow_run_from_deployment(nightly, name=name)
+            client.set_flow_run_state(run.id, state, force=True)
+        for day in (1, 2, 3):
+            when = now + datetime.timedelta(days=day)
+            client.create_flow_run_from_deployment(nightly, name=f"future-{day}", state=Scheduled(scheduled_time=when))
+    capsys.readouterr()  # what deploy printed
+    assert main(["status", "--output", out, "--runs", "3"]) == 0
+    text = capsys.readouterr().out
+    block = text[text.index("captionflow/golden-nightly") :].split("\n  captionflow/")[0]
+    assert "failed-one" in block and "Failed" in block and "cancelled-one" in block and "Cancelled" in block
+    assert "future-" not in block.replace("next run", "")  # no scheduled run among the last runs
+    assert f"next run: {(now + datetime.timedelta(days=1)).date().isoformat()}" in block
+
+
 def test_status_without_a_prefect_api_says_so(tmp_path):
     import os
     import subprocess
