@@ -57,6 +57,28 @@ def test_every_input_accounted_for(demo_run):
     assert s["hidden_skipped"] == {"count": len(HIDDEN_FILES), "examples": sorted(HIDDEN_FILES)}  # not inputs
 
 
+def test_captions_from_kept_fitted_images_equal_captions_from_decoding(demo_run, tmp_path):
+    """The demo set is a golden set: its images are fitted to the engine's grid once and kept beside its shards
+    (``workers/fitted_images.py``); a run that keeps none (every image decoded in its own preprocess) captions
+    exactly the same."""
+    import glob
+
+    from cli_runs import assert_same_captions
+
+    from captionflow.data.layout import FITTED
+    from flows.cli import main
+
+    out, s, _ = demo_run
+    files = sorted(glob.glob(f"{out}/datasets/*/{FITTED}/*/part-*.parquet"))
+    assert files and sum(pq.read_metadata(f).num_rows for f in files) == s["counts"]["accepted"]
+    decoded_out, summary = tmp_path / "decoded", tmp_path / "decoded.json"
+    args = ["run", "--output", str(decoded_out), "--device", "cpu", "--engine-image-cache-max-images", "0"]
+    assert main([*args, "--summary-json", str(summary)]) == 0
+    decoded = json.loads(summary.read_text())
+    assert glob.glob(f"{decoded_out}/datasets/*/{FITTED}/*/part-*.parquet") == []  # nothing kept
+    assert_same_captions(decoded, s, s["counts"]["accepted"])
+
+
 def test_captions_exactly_once(demo_run):
     _, s, second = demo_run
     shards = pq.read_table(f"{s['dataset_dir']}/shards")
