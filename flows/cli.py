@@ -162,6 +162,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             f"{row['model'][-40:]:40}"
             + "".join(f"{row[k]:>12.4f}" if row.get(k) is not None else f"{'':>12}" for k in keys)
         )
+    for model, run in zip(args.models, result.get("runs") or []):  # where to look: each checkpoint's report
+        print(f"report  {model}: {run.get('report_html') or run['report']}")
     if args.summary_json:
         with open(args.summary_json, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=2, sort_keys=True, default=str)

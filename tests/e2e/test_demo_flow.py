@@ -146,7 +146,7 @@ def test_report_and_leaderboard_written(demo_run):
     assert "## LLM judge" in report
 
 
-def test_second_checkpoint_compared_on_leaderboard(demo_run, tmp_path_factory):
+def test_second_checkpoint_compared_on_leaderboard(demo_run, tmp_path_factory, capsys):
     from captionflow.builtin.model import build_builtin_model
     from flows.cli import main
 
@@ -173,6 +173,10 @@ def test_second_checkpoint_compared_on_leaderboard(demo_run, tmp_path_factory):
     )
     res = json.loads(summary.read_text())
     first, second = res["runs"]
+    printed = capsys.readouterr().out  # where each checkpoint's report is
+    assert (
+        f"report  builtin: {first['report_html']}" in printed and f"report  {ckpt2}: {second['report_html']}" in printed
+    )
     assert first["run_dir"] == s["run_dir"] and "inference" in first["cached_stages"]
     assert "preprocess" in second["cached_stages"]  # the golden set is preprocessed once
     assert second["run_dir"] != s["run_dir"] and second["counts"]["captioned"] == s["counts"]["accepted"]
