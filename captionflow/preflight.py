@@ -142,7 +142,15 @@ def vllm_engine_args() -> frozenset[str]:
     return frozenset(names)
 
 
+# Engine arguments captionflow sets itself from a run parameter: given in engine_kwargs they would be recorded as the
+# run's (run.json) without acting as the user expects (images reach the engine already fitted to max_pixels' grid).
+OWN_ENGINE_ARGS = {"mm_processor_kwargs": "max_pixels (the image budget; images are fitted to it before the engine)"}
+
+
 def check_engine_kwargs(engine_kwargs: dict) -> None:
+    for key, instead in OWN_ENGINE_ARGS.items():
+        if key in engine_kwargs:
+            raise OptionError(f"engine_kwargs: {key!r} is set by captionflow: use {instead}")
     known = vllm_engine_args()
     if not known:
         return

@@ -76,6 +76,10 @@ def test_truncated_or_incomplete_checkpoints(builtin_model_dir, tmp_path, no_ray
             {"engine_kwargs": {"max_num_seq": 8}},
             r"'max_num_seq' is not an argument of the installed vLLM.*max_num_seqs",
         ),
+        (  # recorded in run.json as if used, without effect on the captions: refused, naming the parameter
+            {"engine_kwargs": {"mm_processor_kwargs": {"max_pixels": 4096}}},
+            r"'mm_processor_kwargs' is set by captionflow: use max_pixels",
+        ),
         ({"max_pixels": 1}, r"max_pixels 1 is below the smallest image"),
         ({"max_model_len": 64}, r"max_model_len 64 is too small: one request needs about \d+ tokens"),
         ({"prompt": "describe " * 14_000}, r"max_model_len 1024 is too small"),
