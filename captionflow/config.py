@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 DEFAULT_OUTPUT = "./captionflow-out"
 DEFAULT_PROMPT = "Describe this image in one sentence."
@@ -41,7 +41,13 @@ class RunConfig(BaseModel):
     max_tokens: int = Field(32, ge=1, title="Max new tokens per caption")
     temperature: float = Field(0.0, ge=0.0, title="Sampling temperature (0 = greedy)")
     top_p: float = Field(1.0, gt=0.0, le=1.0, title="Top-p")
-    seed: int = Field(0, title="Sampling seed")
+    seed: int = Field(
+        0,
+        ge=0,
+        le=2**63 - 1,
+        title="Sampling seed",
+        description="The engines' random seed (a 64-bit one: larger values failed every row with an empty error).",
+    )
     ignore_eos: bool = Field(
         False,
         title="Ignore end-of-sequence",
@@ -364,4 +370,18 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> RunC
             raise ValueError(f"config file {path}: expected a mapping of parameters, got {type(loaded).__name__}")
         data.update(loaded)
     data.update({k: v for k, v in overrides.items() if v is not None})
-    return RunConfig(**data)
+    try:
+        return RunConfig(**data)
+    except ValidationError as e:  # one line per bad parameter, not pydantic's dump
+        raise ValueError(validation_lines(e)) from None
+
+
+def validation_lines(e: ValidationError) -> str:
+    """A pydantic validation error as "name: what is wrong (got value)", one per bad field, joined by "; "."""
+    parts = []
+    for err in e.errors():
+        name = ".".join(str(x) for x in err.get("loc", ())) or "parameters"
+        got = err.get("input")
+        shown = repr(got) if not isinstance(got, dict) or len(repr(got)) < 80 else "{...}"
+        parts.append(f"{name}: {err.get('msg', 'invalid')} (got {shown})")
+    return "; ".join(parts)

@@ -110,6 +110,10 @@ def test_version_and_json_option_errors_say_what(capsys):
     with pytest.raises(SystemExit) as e:
         main(["run", "--device", "tpu"])
     assert e.value.code == 2 and "choose from 'auto', 'cpu', 'gpu'" in capsys.readouterr().err
+    # a seed the engines cannot take: refused before anything starts, one line naming it (it failed every row)
+    assert main(["run", "--seed", str(2**64)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("captionflow: invalid parameters") and "seed" in err and len(err.splitlines()) <= 3, err
 
 
 def test_every_field_is_in_one_group_and_help_is_grouped(capsys):
