@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field
 from pydantic.fields import FieldInfo
@@ -32,9 +32,10 @@ def config_parameters() -> list[inspect.Parameter]:
             default=field.get_default(call_default_factory=True),
             description=f"{group} · {title}: {field.description}" if field.description else f"{group} · {title}",
         )
-        params.append(
-            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=field.annotation)
-        )
+        # the field's constraints (ge, le, gt, ...) ride on the annotation: the schema Prefect builds from the
+        # signature - the UI form, the API's parameter validation - keeps every bound RunConfig has
+        annotation = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation))
     return params
 
 

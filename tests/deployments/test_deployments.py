@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 import uuid
 
+import pytest
+
 from captionflow.config import RunConfig, grouped_fields
 
 
@@ -35,6 +37,16 @@ def test_deploy_creates_schedule_trigger_and_typed_form(prefect_api, tmp_path):
         in_form = sorted(props, key=lambda k: props[k]["position"])
         assert in_form == [name for _, name, _ in grouped_fields()]
         assert all(props[name]["description"].startswith(f"{g} · ") for g, name, _ in grouped_fields())
+        # every bound RunConfig has is in the form, and the server refuses a value outside it
+        keywords = {"Ge": "minimum", "Le": "maximum", "Gt": "exclusiveMinimum", "Lt": "exclusiveMaximum"}
+        for name, field in RunConfig.model_fields.items():
+            for m in field.metadata:
+                if type(m).__name__ in keywords:
+                    assert keywords[type(m).__name__] in str(props[name]), (name, props[name])
+        assert props["max_tokens"]["minimum"] == 1 and props["top_p"]["exclusiveMinimum"] == 0
+        for bad in ({"max_tokens": 0}, {"top_p": 0}, {"seed": -1}):
+            with pytest.raises(Exception, match="Validation failed|validation"):
+                client.create_flow_run_from_deployment(nightly.id, parameters=bad)
         on_ckpt = client.read_deployment(ids["on-checkpoint"])
         automations = client.read_resource_related_automations(f"prefect.deployment.{on_ckpt.id}")
         assert len(automations) == 1
