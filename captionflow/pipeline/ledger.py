@@ -25,6 +25,7 @@ from captionflow.data.layout import CAPTIONS, FAILURES
 from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
 from captionflow.errors import CaptionflowError, EngineFailed
+from captionflow.pipeline import run_log
 from captionflow.pipeline.watchdog import Watchdog
 from captionflow.results import PassResult
 
@@ -124,7 +125,7 @@ class Ledger:
 
         status = lambda: f"{n_ok + len(ok_rows)} {self.ok_kind} so far in this pass"
         try:
-            with Watchdog(self.what, self.stall_timeout_s, status) as watchdog:
+            with run_log.engines_at_work(), Watchdog(self.what, self.stall_timeout_s, status) as watchdog:
                 for row in out.iter_rows():
                     watchdog.tick()
                     if t_first is None:

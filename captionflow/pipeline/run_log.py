@@ -7,7 +7,8 @@ stdout (a vLLM engine writes hundreds of lines; each worker's full output stays 
 
 - engine ready (vLLM's ``init engine ... took``, captionflow's ``AsyncLLM accepting requests``), model
   loading and compile times, vLLM's throughput lines;
-- errors: a line at vLLM's ERROR level, an exception's last line, a worker killed for memory;
+- errors: a line at vLLM's ERROR level, an exception's last line, a worker killed for memory (at DEBUG once the
+  stage that waits on the workers has every result: ``engines_at_work``, the engines' shutdown is not the run's);
 - Ray Data's warnings from the driver (``The job may hang forever unless the cluster scales up``);
 - captionflow's own log records (watchdog, cache, lease, service) at INFO and above.
 
@@ -41,11 +42,29 @@ NOISE = [
     # the GCS of a Ray that outlives runs (the warm engine service's) reaping a finished run's actors whose
     # processes already exited
     re.compile(r"gcs_actor_scheduler\.cc:\d+: Failed to kill actor .*Socket closed"),
+    # Python's multiprocessing resource tracker, as an engine's processes exit: a shared-memory segment another
+    # process of the engine had already released (cpython gh-82300), never a fault of the run
+    re.compile(r"^KeyError: '/(?:psm_|mp-)[\w-]+'$"),
 ]
 _VLLM_PREFIX = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:INFO|WARNING|ERROR|DEBUG) \d\d-\d\d [\d:]+ \[[^\]]+\] ")
 
 # the current (lines, records) sinks, each a logging.Logger or LoggerAdapter; empty: forward nothing
 _SINK: list[tuple[Any, Any]] = []
+# set while the stage that started the workers has every result it waits for: their error lines then come from
+# the engines shutting down (EngineDeadError, a front end whose core is gone first), not from the run's work
+_DONE: list[bool] = [False]
+
+
+@contextlib.contextmanager
+def engines_at_work() -> Iterator[None]:
+    """Around a stage's wait for its workers' results: error lines that arrive after it (the engines' shutdown)
+    are forwarded at DEBUG, so a completed run's log has no ERROR line that is not the run's (Ray's session logs
+    keep every line)."""
+    _DONE[0] = False
+    try:
+        yield
+    finally:
+        _DONE[0] = True
 
 
 def key_line(line: str) -> Optional[tuple[int, str]]:
@@ -72,7 +91,8 @@ def _on_worker_lines(data: dict) -> None:
     for line in data.get("lines") or []:
         hit = key_line(line)
         if hit:
-            _send(0, hit[0], "%s (pid %s): %s", who, data.get("pid"), hit[1])
+            level = logging.DEBUG if hit[0] >= logging.ERROR and _DONE[0] else hit[0]
+            _send(0, level, "%s (pid %s): %s", who, data.get("pid"), hit[1])
 
 
 class _Forward(logging.Handler):

@@ -277,3 +277,5 @@ def test_the_engines_key_lines_reach_the_run_log(demo_run):
     assert not any("[core.py:" in m for m in ready)  # vLLM's own prefix dropped
     assert any(m.startswith("inference: captioned ") and "rows/s" in m for m in text), text
     assert len(text) < 200  # key lines, not the engine's whole output
+    # a completed run's log has no ERROR line (its engines' shutdown once forwarded KeyError '/psm_...' lines)
+    assert [m for m in logs if m.level >= 40] == [], [m.message for m in logs if m.level >= 40]
