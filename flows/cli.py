@@ -293,9 +293,15 @@ def cmd_watch(args: argparse.Namespace) -> int:
     while True:
         try:
             announced = watch_once(args.prefix, args.state)
-        except WatchError as e:
-            print(f"captionflow watch: {e}", file=sys.stderr)
-            return 1
+        except Exception as e:
+            if not args.every:
+                if isinstance(e, WatchError):
+                    print(f"captionflow watch: {e}", file=sys.stderr)
+                    return 1
+                raise
+            why = str(e) if isinstance(e, WatchError) else f"{type(e).__name__}: {e}"
+            print(f"captionflow watch: {why}; trying again in {args.every:g} s", file=sys.stderr, flush=True)
+            announced = []
         for uri in announced:
             print(f"announced {uri}", flush=True)
         if not args.every:

@@ -250,3 +250,57 @@ def test_prefect_yaml_deploys_exactly_what_captionflow_deploy_creates(prefect_ap
         by_yaml = {name: _snapshot(client, client.read_deployment_by_name(f"captionflow/{name}").id) for name in ids}
     assert by_yaml == by_api
     assert by_api["on-checkpoint"]["trigger"][2] == {"model": "{{ event.payload.uri }}"}
+
+
+def test_a_watcher_every_n_seconds_waits_out_an_api_outage_and_announces_after_it(prefect_api, tmp_path):
+    """`captionflow watch --every N` exited for good on the first Prefect API outage (a server restart ended it).
+    Here the API goes away behind a TCP gate while the watcher runs, a checkpoint lands meanwhile, and the API
+    comes back: the watcher says why it waits, keeps going, and announces the checkpoint once the API answers."""
+    import os
+    import subprocess
+    import sys
+    import urllib.parse
+    from pathlib import Path
+
+    from prefect.settings import PREFECT_API_URL
+    from tcp_gate import TcpGate
+
+    api = urllib.parse.urlsplit(PREFECT_API_URL.value())
+    gate = TcpGate((api.hostname, api.port)).open()
+    prefix = tmp_path / "ckpts"
+    (prefix / "step-0500").mkdir(parents=True)
+    (prefix / "step-0500" / "config.json").write_text("{}")
+    env = {**os.environ, "PREFECT_API_URL": api._replace(netloc=f"127.0.0.1:{gate.port}").geturl()}
+    env["PYTHONUNBUFFERED"] = "1"
+    log = tmp_path / "watch.log"
+    root = Path(__file__).resolve().parents[2]
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "watch", str(prefix), "--every", "1"],
+            cwd=root,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while f"announced {prefix / 'step-0500'}" not in log.read_text():  # a first pass with the API up
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        gate.close()  # the outage
+        (prefix / "step-1000").mkdir()
+        (prefix / "step-1000" / "config.json").write_text("{}")
+        deadline = time.monotonic() + 120
+        while log.read_text().count("trying again") < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        gate.open()  # the API is back
+        deadline = time.monotonic() + 180
+        while f"announced {prefix / 'step-1000'}" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        gate.close()
+    assert "does not answer" in log.read_text() or "Error" in log.read_text()  # it said why it waited
