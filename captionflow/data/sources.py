@@ -72,11 +72,14 @@ def _read_sidecar(fs, path: str) -> dict[str, list[str]]:
     refs: dict[str, list[str]] = {}
     if path.endswith(".jsonl"):
         for n, rec in jsonl_objects(raw, path):
-            try:
-                caps = rec["captions"]
-                refs[rec["file_name"]] = [caps] if isinstance(caps, str) else [str(c) for c in caps]
-            except (KeyError, TypeError) as e:
-                raise DatasetError(f"{path}:{n}: expected {{'file_name', 'captions'}}: {e}") from None
+            name, caps = rec.get("file_name"), rec.get("captions")
+            if isinstance(caps, str):
+                caps = [caps]
+            if not isinstance(name, str) or not name:
+                raise DatasetError(f"{path}:{n}: 'file_name' must be a file name (text), got {name!r}")
+            if not isinstance(caps, list) or not all(isinstance(c, str) for c in caps):
+                raise DatasetError(f"{path}:{n}: 'captions' must be a caption or a list of captions, got {caps!r}")
+            refs[name] = caps
     else:
         for row in csv.DictReader(io.StringIO(raw)):
             if "file_name" not in row or "caption" not in row:

@@ -311,7 +311,15 @@ def test_caption_sidecars_csv_with_bom_jsonl_and_bad_encoding(tmp_path):
     with pytest.raises(DatasetError, match=r"captions.jsonl: not UTF-8 text"):
         ingest(cfg)
     (tmp_path / "ds" / "captions.jsonl").write_text('{"file": "a.png"}\n', encoding="utf-8")
-    with pytest.raises(DatasetError, match=r"captions.jsonl:1: expected"):
+    with pytest.raises(DatasetError, match=r"captions.jsonl:1: 'file_name' must be a file name"):
+        ingest(cfg)
+    # a number where a name belongs crashed later with an unnamed TypeError: refused here, naming the line
+    (tmp_path / "ds" / "captions.jsonl").write_text('{"file_name": "b.png", "captions": "blue"}\n{"file_name": 5, '
+                                                    '"captions": "x"}\n', encoding="utf-8")  # fmt: skip
+    with pytest.raises(DatasetError, match=r"captions.jsonl:2: 'file_name' must be a file name \(text\), got 5"):
+        ingest(cfg)
+    (tmp_path / "ds" / "captions.jsonl").write_text('{"file_name": "b.png", "captions": ["ok", 7]}\n')
+    with pytest.raises(DatasetError, match=r"captions.jsonl:1: 'captions' must be a caption or a list of captions"):
         ingest(cfg)
 
 
