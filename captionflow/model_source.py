@@ -60,6 +60,24 @@ def _download_hub(repo_id: str) -> Path:
         ) from None
 
 
+def local_model_path(model: str) -> Path | None:
+    """The folder a model parameter names on this machine; None for 'builtin', an ``s3://`` prefix and a hub id
+    with no such folder here. Raises ModelError for another scheme, a missing path or a file: checks that need
+    no download, made before a run starts anything (``preflight.check_inputs``)."""
+    if model == BUILTIN_NAME or model.startswith("s3://"):
+        return None
+    if "://" in model:
+        raise ModelError(f"model {model!r}: supported are 'builtin', a local folder, s3:// and hub ids")
+    path = Path(os.path.expanduser(model)).resolve()
+    if not path.exists():
+        if HUB_ID.match(model) and not model.startswith((".", "~")):
+            return None
+        raise ModelError(f"model path {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise ModelError(f"model path {str(path)!r} is a file; pass the checkpoint folder")
+    return path
+
+
 def resolve_model(model: str, cache_dir: str | None = None, dummy_weights: bool = False) -> ResolvedModel:
     """'builtin', a local folder, an s3:// prefix or a hub id -> a validated local folder and fingerprint.
 
@@ -72,16 +90,8 @@ def resolve_model(model: str, cache_dir: str | None = None, dummy_weights: bool 
         path = ensure_builtin_model(cache_dir)
     elif model.startswith("s3://"):
         path = _download_s3(model, cache_dir)
-    elif "://" in model:
-        raise ModelError(f"model {model!r}: supported are 'builtin', a local folder, s3:// and hub ids")
     else:
-        path = Path(os.path.expanduser(model)).resolve()
-        if not path.exists() and HUB_ID.match(model) and not model.startswith((".", "~")):
-            path = _download_hub(model)
-        elif not path.exists():
-            raise ModelError(f"model path {str(path)!r} does not exist")
-        if not path.is_dir():
-            raise ModelError(f"model path {str(path)!r} is a file; pass the checkpoint folder")
+        path = local_model_path(model) or _download_hub(model)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelError(f"model {str(path)!r} has no config.json: not a Hugging Face checkpoint folder")

@@ -26,7 +26,7 @@ from captionflow.compat.vllm_modelinfo import prefetch as prefetch_model_info
 from captionflow.config import RunConfig
 from captionflow.data.storage import Store
 from captionflow.errors import CaptionflowError, DatasetError
-from captionflow.model_source import ResolvedModel, resolve_clip, resolve_model
+from captionflow.model_source import ResolvedModel, local_model_path, resolve_clip, resolve_model
 from captionflow.pipeline.device import local_gpus
 from captionflow.pipeline.engine import EngineSettings, engine_env, resolve_engine
 from captionflow.pipeline.presets import PRESETS
@@ -57,8 +57,7 @@ def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
     warm engine service that no other run holds is taken for this run and starts loading its checkpoint
     (``service.start_early``). On a local Ray, vLLM's inspection of the model class starts in a background process
     when it is not cached yet (``compat.vllm_modelinfo``)."""
-    check_output(cfg.output)
-    check_dataset(cfg.dataset)
+    check_inputs(cfg)
     model = resolve_model(cfg.model, dummy_weights=cfg.dummy_weights())
     judge = None
     if cfg.judge or cfg.pairwise_against:
@@ -67,7 +66,6 @@ def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
     clip = resolve_clip(cfg.clip_model) if cfg.clip_model else None
     if cfg.coco_java and not shutil.which("java"):
         raise OptionError("coco_java needs Java on the PATH (PTB tokenizer and METEOR run on the JVM)")
-    check_engine_kwargs(cfg.engine_kwargs)
     device, gpus, local = resolve_device(cfg)
     if prewarm_imports and (not local or device == "gpu"):
         prewarm(serve=cfg.warm_engines != "off")
@@ -87,6 +85,20 @@ def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
 
         service.start_early(cfg, model, engine)
     return PreflightResult(model=model, judge=judge, engine=engine, judge_engine=judge_engine, clip=clip)
+
+
+def check_inputs(cfg: RunConfig, models: list[str] | None = None) -> None:
+    """What needs neither Ray, an engine, a download nor a Prefect server: the output root can be written, the
+    dataset exists, each local model folder (``models``; default the run's model and judge) exists, the engine
+    arguments are vLLM's. The command line runs it before it starts a flow, so that a user error is one line and
+    starts nothing; preflight runs it first."""
+    check_output(cfg.output)
+    check_dataset(cfg.dataset)
+    if models is None:
+        models = [cfg.model] + ([cfg.judge_model] if cfg.judge_model and (cfg.judge or cfg.pairwise_against) else [])
+    for m in models:
+        local_model_path(m)
+    check_engine_kwargs(cfg.engine_kwargs)
 
 
 def prewarm_workers(cfg: RunConfig, engine: EngineSettings) -> None:

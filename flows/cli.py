@@ -138,10 +138,19 @@ def _flow_call(fn, **kwargs):
         raise _RunFailed(str(e)) from None
 
 
+def _check_inputs(cfg: RunConfig, models: list[str] | None = None) -> None:
+    """A user error in the inputs as one line, before a flow (and a Prefect server) starts."""
+    from captionflow.preflight import check_inputs
+
+    _flow_call(check_inputs, cfg=cfg, models=models)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.caption_flow import caption_flow
 
-    summary = _flow_call(caption_flow, **_config(args).model_dump())
+    cfg = _config(args)
+    _check_inputs(cfg)
+    summary = _flow_call(caption_flow, **cfg.model_dump())
     print(_summary_text(summary))
     if args.summary_json:
         with open(args.summary_json, "w", encoding="utf-8") as fh:
@@ -152,9 +161,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from flows.compare_flow import compare_checkpoints
 
-    result = _flow_call(
-        compare_checkpoints, **_config(args).model_dump(), models=tuple(args.models), parallel=args.parallel
-    )
+    cfg = _config(args)
+    _check_inputs(cfg, models=list(args.models))
+    result = _flow_call(compare_checkpoints, **cfg.model_dump(), models=tuple(args.models), parallel=args.parallel)
     keys = ("bleu_4", "rouge_l", "cider", "meteor", "judge_mean")
     print(f"{'model':40}" + "".join(f"{k:>12}" for k in keys))
     for row in result["leaderboard"]:
@@ -173,7 +182,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from flows.evaluate_flow import evaluate_captions
 
-    summary = _flow_call(evaluate_captions, **_config(args).model_dump(), captions=args.captions, name=args.name)
+    cfg = _config(args)
+    _check_inputs(cfg, models=[])  # the captions were made elsewhere: no model to check
+    summary = _flow_call(evaluate_captions, **cfg.model_dump(), captions=args.captions, name=args.name)
     print(_summary_text(summary))
     if args.summary_json:
         with open(args.summary_json, "w", encoding="utf-8") as fh:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +37,27 @@ def test_cli_reports_bad_model_and_dataset(prefect_api, tmp_path, capsys):
     assert "no-such-folder" in err and "does not exist" in err
     assert ray.is_initialized() == ray_was_up  # rejected before Ray was started
     assert not (tmp_path / "o" / "runs").exists()
+
+
+def test_a_user_error_is_at_most_three_lines_without_a_traceback_and_starts_nothing(tmp_path):
+    """As a user sees it, in a shell: a missing model or dataset printed Prefect's 85-line engine traceback (and
+    started a temporary Prefect server) before the one line that matters."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    for bad in (["--model", str(tmp_path / "missing")], ["--dataset", str(tmp_path / "no-such-folder")]):
+        r = subprocess.run(
+            [sys.executable, "-m", "flows.cli", "run", "--output", str(tmp_path / "o"), *bad],
+            capture_output=True,
+            text=True,
+            cwd=root,
+            timeout=300,
+        )
+        out = (r.stdout + r.stderr).strip().splitlines()
+        assert r.returncode == 2 and len(out) <= 3, out
+        assert out[-1].startswith("captionflow: ") and "does not exist" in out[-1], out
+        assert not any("Traceback" in line or "temporary server" in line for line in out), out
 
 
 def test_cli_rejects_unknown_config_keys(tmp_path, capsys):
