@@ -193,21 +193,28 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from captionflow.config import validation_lines
     from deployments.deploy import deploy, prefect_yaml
 
-    if args.prefect_yaml:
-        text = prefect_yaml(_config(args), args.work_pool, args.cron, pool_type=args.pool_type, image=args.image)
-        Path(args.prefect_yaml).write_text(text, encoding="utf-8")
-        print(f"wrote {args.prefect_yaml}: prefect deploy --prefect-file {args.prefect_yaml} --all")
-        return 0
-    ids = deploy(
-        _config(args),
-        work_pool=args.work_pool,
-        cron=args.cron,
-        pool_type=args.pool_type,
-        image=args.image,
-        notify_block=args.notify_block,
-    )
+    cfg = _config(args)
+    try:
+        if args.prefect_yaml:
+            text = prefect_yaml(cfg, args.work_pool, args.cron, pool_type=args.pool_type, image=args.image)
+            Path(args.prefect_yaml).write_text(text, encoding="utf-8")
+            print(f"wrote {args.prefect_yaml}: prefect deploy --prefect-file {args.prefect_yaml} --all")
+            return 0
+        ids = deploy(
+            cfg,
+            work_pool=args.work_pool,
+            cron=args.cron,
+            pool_type=args.pool_type,
+            image=args.image,
+            notify_block=args.notify_block,
+        )
+    except ValueError as e:  # an option deploy refuses (OptionError), or one Prefect refuses (a cron string)
+        raise _UserError(validation_lines(e) if isinstance(e, ValidationError) else str(e)) from None
     for name, dep_id in ids.items():
         print(
             f"automation {name!r}: {dep_id}"

@@ -132,6 +132,15 @@ def test_version_and_json_option_errors_say_what(capsys):
     with pytest.raises(SystemExit) as e:
         main(["run", "--device", "tpu"])
     assert e.value.code == 2 and "choose from 'auto', 'cpu', 'gpu'" in capsys.readouterr().err
+    # deploy's options: one line each, exit 2 (they were raw tracebacks)
+    for bad, says in (
+        (["--cron", "not a cron"], "cron: Value error, Invalid cron string"),
+        (["--notify-block", "nope"], "notify_block: expected TYPE/NAME"),
+        (["--pool-type", "process", "--image", "x"], "--image is for docker and kubernetes pools"),
+    ):
+        assert main(["deploy", *bad]) == 2, bad
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"captionflow: {says}") and len(err.splitlines()) == 1, err
     # a seed the engines cannot take: refused before anything starts, one line naming it (it failed every row)
     assert main(["run", "--seed", str(2**64)]) == 2
     err = capsys.readouterr().err.strip()
