@@ -89,9 +89,14 @@ def base_job_template(pool_type: str) -> dict[str, Any]:
     return template
 
 
-def ensure_work_pool(name: str, pool_type: str = "process") -> None:
-    """Create the pool with its type's real base job template; a pool of that name and type created without
-    one (older captionflow) gets it; a pool of another type is an error."""
+POOL_CONCURRENCY = 1  # flow runs at once on a pool: each run sizes its engines for the whole machine or GPU
+
+
+def ensure_work_pool(name: str, pool_type: str = "process", concurrency: int | None = POOL_CONCURRENCY) -> None:
+    """Create the pool with its type's real base job template and a limit of ``concurrency`` flow runs at once
+    (None: none): each deployment's own limit of 1 let the nightly and an on-checkpoint run overlap on one worker,
+    each sizing its engines for the whole GPU. A pool of that name and type gets the template (older captionflow
+    created it without one) and the limit; a pool of another type is an error."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectNotFound
@@ -103,15 +108,22 @@ def ensure_work_pool(name: str, pool_type: str = "process") -> None:
         try:
             pool = client.read_work_pool(name)
         except ObjectNotFound:
-            client.create_work_pool(WorkPoolCreate(name=name, type=pool_type, base_job_template=template))
+            client.create_work_pool(
+                WorkPoolCreate(name=name, type=pool_type, base_job_template=template, concurrency_limit=concurrency)
+            )
             return
         if pool.type != pool_type:
             raise OptionError(
                 f"work pool {name!r} exists with type {pool.type!r}, not {pool_type!r}: "
                 "name another pool (--work-pool) or delete that one"
             )
+        update: dict[str, Any] = {}
         if not pool.base_job_template.get("variables", {}).get("properties"):
-            client.update_work_pool(name, WorkPoolUpdate(base_job_template=template))
+            update["base_job_template"] = template
+        if pool.concurrency_limit != concurrency:
+            update["concurrency_limit"] = concurrency
+        if update:
+            client.update_work_pool(name, WorkPoolUpdate(**update))
 
 
 def notification_block_id(slug: str):
@@ -289,14 +301,15 @@ def deploy(
     pool_type: str = "process",
     image: str | None = None,
     notify_block: str | None = None,
+    pool_concurrency: int | None = POOL_CONCURRENCY,
 ) -> dict[str, str]:
-    """Create or update the pool (with its type's base job template), both deployments and, with
-    ``notify_block``, the two automations; returns {deployment or automation name: id}."""
+    """Create or update the pool (with its type's base job template and ``pool_concurrency`` runs at once), both
+    deployments and, with ``notify_block``, the two automations; returns {deployment or automation name: id}."""
     from prefect.deployments.runner import deploy as prefect_deploy
 
     deployments = runner_deployments(base, work_pool, cron, pool_type, image)  # checks the options first
     block_id = notification_block_id(notify_block) if notify_block else None  # before anything is created
-    ensure_work_pool(work_pool, pool_type)
+    ensure_work_pool(work_pool, pool_type, pool_concurrency)
     ids = prefect_deploy(
         *deployments, work_pool_name=work_pool, image=image, build=False, push=False, print_next_steps_message=False
     )

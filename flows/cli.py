@@ -212,6 +212,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
             pool_type=args.pool_type,
             image=args.image,
             notify_block=args.notify_block,
+            pool_concurrency=args.pool_concurrency or None,
         )
     except ValueError as e:  # an option deploy refuses (OptionError), or one Prefect refuses (a cron string)
         raise _UserError(validation_lines(e) if isinstance(e, ValidationError) else str(e)) from None
@@ -405,6 +406,13 @@ def main(argv: list[str] | None = None) -> int:
     dep.add_argument("--config", help="YAML file of parameters: the deployments' default run config")
     dep.add_argument("--work-pool", default="captionflow", help="work pool (created if missing)")
     dep.add_argument("--pool-type", default="process", choices=POOL_TYPES)
+    dep.add_argument(
+        "--pool-concurrency",
+        type=int,
+        default=1,
+        help="flow runs at once on the pool, across both deployments (0: no limit); each run sizes its engines "
+        "for the whole machine or GPU",
+    )
     dep.add_argument("--cron", default="0 2 * * *", help="schedule of the golden-nightly deployment (UTC)")
     dep.add_argument("--image", help="container image with captionflow installed (kubernetes/docker pools)")
     dep.add_argument(

@@ -28,6 +28,8 @@ def test_deploy_creates_schedule_trigger_and_typed_form(prefect_api, tmp_path):
         assert [s.schedule.cron for s in nightly.schedules] == ["0 3 * * *"]
         assert nightly.enforce_parameter_schema
         assert nightly.global_concurrency_limit is not None and nightly.global_concurrency_limit.limit == 1
+        # one run at a time on the pool, across both deployments (each deployment's own limit let them overlap)
+        assert client.read_work_pool(nightly.work_pool_name).concurrency_limit == 1
         assert nightly.parameters["output"] == str(tmp_path / "out")
         props = nightly.parameter_openapi_schema["properties"]
         assert set(props) == set(RunConfig.model_fields)  # one parameter per field, each described
