@@ -16,10 +16,11 @@ Emit that event from a training script (``prefect event emit captionflow.checkpo
 ``prefect.events.emit_event``), or let ``captionflow watch`` emit it for stores that cannot call
 webhooks.
 
-With ``notify_block`` (a saved Prefect notification block, ``TYPE/NAME``), two automations send to it:
+With ``notify_block`` (a saved Prefect notification block, ``TYPE/NAME``), three automations send to it:
 ``captionflow: checkpoint regressed`` on each ``captionflow.checkpoint.regressed`` event (a run whose CIDEr fell
-below the best comparable run's by more than ``regression_threshold``), and ``captionflow: automation failed``
-when an action of any ``captionflow: ...`` automation fails (a checkpoint event that started no run).
+below the best comparable run's by more than ``regression_threshold``), ``captionflow: run failed`` when a flow run
+of captionflow's flows ends Failed, Crashed or TimedOut, and ``captionflow: automation failed`` when an action of
+any ``captionflow: ...`` automation fails (a checkpoint event that started no run).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ ENTRYPOINT = "flows/caption_flow.py:caption_flow"
 EVENT = "captionflow.checkpoint.created"
 REGRESSED_AUTOMATION = "captionflow: checkpoint regressed"
 FAILED_AUTOMATION = "captionflow: automation failed"
+RUN_FAILED_AUTOMATION = "captionflow: run failed"
+FLOWS = ("captionflow", "captionflow-compare", "captionflow-compare-parallel", "captionflow-evaluate")
+# the states in which a flow run ended without a result
+RUN_FAILED_EVENTS = {"prefect.flow-run.Failed", "prefect.flow-run.Crashed", "prefect.flow-run.TimedOut"}
 NIGHTLY_CRON = "0 2 * * *"
 
 
@@ -147,7 +152,7 @@ def notification_block_id(slug: str):
 
 
 def ensure_automations(block_id) -> dict[str, str]:
-    """Create (or replace) the regression and automation-failure automations; returns {name: id}."""
+    """Create (or replace) the regression, run-failure and automation-failure automations; returns {name: id}."""
     from prefect.automations import Automation
     from prefect.client.orchestration import get_client
     from prefect.events.actions import SendNotification
@@ -167,6 +172,18 @@ def ensure_automations(block_id) -> dict[str, str]:
             "{{ event.payload.metric }} {{ event.payload.value }} is below the best comparable run's "
             "{{ event.payload.best_value }} ({{ event.payload.best_model }}) by {{ event.payload.relative_drop }} "
             "(threshold {{ event.payload.threshold }}). Run: {{ event.payload.run_dir }}",
+        ),
+        RUN_FAILED_AUTOMATION: (
+            EventTrigger(
+                expect=RUN_FAILED_EVENTS,
+                match={"prefect.resource.id": "prefect.flow-run.*"},
+                match_related={"prefect.resource.role": "flow", "prefect.resource.name": list(FLOWS)},
+                posture=Posture.Reactive,
+                threshold=1,
+            ),
+            "captionflow: {{ flow.name }} run {{ flow_run.name }} {{ flow_run.state.name }}",
+            "Flow run {{ flow_run.name }} of {{ deployment.name }} ended {{ flow_run.state.name }}: "
+            "{{ flow_run.state.message }}",
         ),
         FAILED_AUTOMATION: (
             EventTrigger(

@@ -424,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         "--notify-block",
         metavar="TYPE/NAME",
         help="a saved Prefect notification block: automations send to it when a checkpoint regressed "
-        "(captionflow.checkpoint.regressed) and when a captionflow automation's action failed",
+        "(captionflow.checkpoint.regressed), when a captionflow flow run failed, crashed or timed out, and when a "
+        "captionflow automation's action failed",
     )
     _add_config_options(dep)
     dep.set_defaults(func=cmd_deploy)

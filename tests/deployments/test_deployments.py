@@ -131,13 +131,31 @@ def test_a_custom_run_that_sets_one_parameter_keeps_the_deployments_others(prefe
     assert RunConfig(**params).model == base.model
 
 
+def _event_of(client, resource_id: str, name: str, timeout_s: float = 60) -> dict:
+    """The server's stored event ``name`` about ``resource_id`` (it persists events asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        body = {"filter": {"resource": {"id": [resource_id]}, "event": {"name": [name]}}, "limit": 1}
+        found = client.request("POST", "/events/filter", json=body).json()["events"]
+        if found or time.monotonic() > deadline:
+            assert found, (resource_id, name)
+            return found[0]
+        time.sleep(0.5)
+
+
 def test_deploy_installs_the_regression_and_failure_automations(prefect_api, tmp_path):
     import pytest
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
     from prefect.client.orchestration import get_client
 
     from captionflow.preflight import OptionError
-    from deployments.deploy import FAILED_AUTOMATION, REGRESSED_AUTOMATION, deploy
+    from deployments.deploy import (
+        FAILED_AUTOMATION,
+        REGRESSED_AUTOMATION,
+        RUN_FAILED_AUTOMATION,
+        RUN_FAILED_EVENTS,
+        deploy,
+    )
 
     base = RunConfig(output=str(tmp_path / "out"), dataset="demo")
     pool = f"pool-{uuid.uuid4().hex[:6]}"
@@ -151,16 +169,33 @@ def test_deploy_installs_the_regression_and_failure_automations(prefect_api, tmp
         ids = deploy(base, work_pool=pool, notify_block=f"custom-webhook/{name}")
     with get_client(sync_client=True) as client:
         for auto_name, expected in (
-            (REGRESSED_AUTOMATION, "captionflow.checkpoint.regressed"),
-            (FAILED_AUTOMATION, "prefect.automation.action.failed"),
+            (REGRESSED_AUTOMATION, {"captionflow.checkpoint.regressed"}),
+            (RUN_FAILED_AUTOMATION, RUN_FAILED_EVENTS),
+            (FAILED_AUTOMATION, {"prefect.automation.action.failed"}),
         ):
             autos = client.read_automations_by_name(auto_name)
             assert len(autos) == 1 and str(autos[0].id) == ids[auto_name]
-            assert autos[0].trigger.expect == {expected}
+            assert autos[0].trigger.expect == expected
             assert autos[0].actions[0].type == "send-notification"
             assert autos[0].actions[0].block_document_id == block_id
         dep = client.read_deployment(ids["golden-nightly"])
         assert dep.concurrency_options is not None and dep.concurrency_options.collision_strategy == "ENQUEUE"
+        # the run-failure trigger covers the event the server emits when a captionflow run fails (it was not
+        # notified at all), and not a finished run's
+        from prefect.server.events.schemas.automations import EventTrigger as ServerTrigger
+        from prefect.server.events.schemas.events import ReceivedEvent
+        from prefect.states import Completed, Failed
+
+        trigger = ServerTrigger.model_validate(
+            client.read_automations_by_name(RUN_FAILED_AUTOMATION)[0].trigger.model_dump(mode="json")
+        )
+        covered = {}
+        for name, state in (("failed", Failed(message="inference stalled")), ("completed", Completed())):
+            run = client.create_flow_run_from_deployment(dep.id, name=f"{name}-{uuid.uuid4().hex[:4]}")
+            client.set_flow_run_state(run.id, state, force=True)
+            event = _event_of(client, f"prefect.flow-run.{run.id}", f"prefect.flow-run.{state.name}")
+            covered[name] = trigger.covers(ReceivedEvent.model_validate(event))
+        assert covered == {"failed": True, "completed": False}
 
 
 def test_deploy_to_docker_and_kubernetes_pools_runs_the_image_without_a_host_path(prefect_api, tmp_path):
