@@ -241,13 +241,23 @@ class Lease:
         self._stop.clear()
 
         def beat() -> None:
+            last_ok = time.time()
             while not self._stop.wait(self.ttl_s / 4):
                 try:
                     self.holder.heartbeat = time.time()
                     if self.number is not None and max(self._numbers() or [0]) == self.number:
                         self._write(self.number, self.holder, exclusive=False)
-                except Exception as e:  # a storage hiccup: the next beat tries again
-                    log.debug("lease heartbeat failed: %s", e)
+                    last_ok = time.time()
+                except Exception as e:  # a storage hiccup: the next beat tries again, and the run's log says so
+                    silent = time.time() - last_ok
+                    log.warning(
+                        "%s: lease heartbeat failed (%s: %s); last renewed %.0f s ago, it lapses after %g s",
+                        self.what,
+                        type(e).__name__,
+                        str(e)[:200],
+                        silent,
+                        self.ttl_s,
+                    )
 
         self._thread = threading.Thread(target=beat, name="captionflow-lease", daemon=True)
         self._thread.start()

@@ -78,3 +78,26 @@ def test_waiting_gives_up_naming_the_holder(tmp_path):
     with Lease(store, "run", what="the run folder", owner="flow run 'brave-otter'"):
         with pytest.raises(LeaseTimeout, match="brave-otter.*waited"):
             Lease(store, "run", what="the run folder", wait_s=0.3, poll_s=0.05).acquire()
+
+
+def test_a_heartbeat_that_fails_says_so_in_the_runs_log(tmp_path, caplog):
+    """A stalled store left the lease's heartbeat failing silently (debug level) for minutes: it warns, naming
+    the lease, the error and how long ago it was last renewed."""
+    import logging
+
+    store = Store(str(tmp_path))
+    lease = Lease(store, "run", what="the run folder", ttl_s=0.4).acquire()
+    try:
+        with caplog.at_level(logging.WARNING, logger="captionflow.data.lease"):
+            held = tmp_path / LEASES / "run" / lease._name(lease.number)
+            held.unlink()
+            held.mkdir()  # the lease is still listed, and every write of its heartbeat fails from now on
+            deadline = time.monotonic() + 30
+            while not [r for r in caplog.records if "heartbeat failed" in r.getMessage()]:
+                assert time.monotonic() < deadline, caplog.text
+                time.sleep(0.05)
+    finally:
+        lease._stop.set()
+    line = next(r.getMessage() for r in caplog.records if "heartbeat failed" in r.getMessage())
+    assert line.startswith("the run folder: lease heartbeat failed (") and "it lapses after 0.4 s" in line
+    assert "last renewed" in line
