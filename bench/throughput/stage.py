@@ -34,11 +34,15 @@ def _run_config(a: argparse.Namespace, output: str):
         prompt=PROMPT,
         engine_kwargs=engine_kwargs,
         commit_rows=32,
-        **extra,
+        # a stage that gets no result for 10 min fails with the watchdog's account (the run's default, 30 min, let
+        # a hung multi-GPU stage sit 12+ min with no line in the phase's log); --pipeline-config may say otherwise
+        **{"stall_timeout_s": 600, **extra},
     )
 
 
 def phase_stage(a: argparse.Namespace) -> dict:
+    import logging
+
     from captionflow.data.sources import ingest
     from captionflow.errors import RowsFailed
     from captionflow.model_source import resolve_model
@@ -48,6 +52,8 @@ def phase_stage(a: argparse.Namespace) -> dict:
     from captionflow.pipeline.processor import max_pending_requests
     from captionflow.pipeline.session import ray_session
 
+    # captionflow's own lines (the stall watchdog's minute-by-minute account above all) into the phase's log
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     shutil.rmtree(Path(a.work) / "out-stage", ignore_errors=True)  # a fresh run: nothing to resume
     cfg = _run_config(a, str(Path(a.work) / "out-stage"))
     model = resolve_model(cfg.model, dummy_weights=cfg.dummy_weights())
