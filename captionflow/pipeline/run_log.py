@@ -7,8 +7,8 @@ stdout (a vLLM engine writes hundreds of lines; each worker's full output stays 
 
 - engine ready (vLLM's ``init engine ... took``, captionflow's ``AsyncLLM accepting requests``), model
   loading and compile times, vLLM's throughput lines;
-- errors: a line at vLLM's ERROR level, an exception's last line, a worker killed for memory (at DEBUG once the
-  stage that waits on the workers has every result: ``engines_at_work``, the engines' shutdown is not the run's);
+- errors: a line at vLLM's ERROR level, an exception's last line, a worker killed for memory (at DEBUG from a worker
+  whose stage has every result it waited for: ``engines_at_work``; its shutdown is not the run's error);
 - Ray Data's warnings from the driver (``The job may hang forever unless the cluster scales up``);
 - captionflow's own log records (watchdog, cache, lease, service) at INFO and above.
 
@@ -50,21 +50,26 @@ _VLLM_PREFIX = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:INFO|WARNING|ERROR|DEBUG) \
 
 # the current (lines, records) sinks, each a logging.Logger or LoggerAdapter; empty: forward nothing
 _SINK: list[tuple[Any, Any]] = []
-# set while the stage that started the workers has every result it waits for: their error lines then come from
-# the engines shutting down (EngineDeadError, a front end whose core is gone first), not from the run's work
-_DONE: list[bool] = [False]
+# workers heard from while a stage waited on them (_AT_WORK), and those whose stage has every result it waited for
+# (_DONE): their error lines come from the engines shutting down (EngineDeadError, a front end whose core is gone
+# first), not from the run's work
+_AT_WORK: list[set] = []
+_DONE: set = set()
 
 
 @contextlib.contextmanager
 def engines_at_work() -> Iterator[None]:
-    """Around a stage's wait for its workers' results: error lines that arrive after it (the engines' shutdown)
-    are forwarded at DEBUG, so a completed run's log has no ERROR line that is not the run's (Ray's session logs
-    keep every line)."""
-    _DONE[0] = False
+    """Around a stage's wait for its workers' results: the error lines of the workers heard from meanwhile that
+    arrive after it (their shutdown) are forwarded at DEBUG, so a completed run's log has no ERROR line that is not
+    the run's (Ray's session logs keep every line). The next stage's workers are other processes: theirs stay
+    errors."""
+    seen: set = set()
+    _AT_WORK.append(seen)
     try:
         yield
     finally:
-        _DONE[0] = True
+        _AT_WORK.remove(seen)
+        _DONE.update(seen)
 
 
 def key_line(line: str) -> Optional[tuple[int, str]]:
@@ -88,10 +93,14 @@ def _on_worker_lines(data: dict) -> None:
     if not _SINK:
         return
     who = data.get("actor_name") or data.get("task_name") or ("raylet" if data.get("pid") == "raylet" else "worker")
+    pid = data.get("pid")
+    finished = pid in _DONE  # a worker of a stage that has every result it waited for: shutting down
+    for seen in [] if finished else _AT_WORK:
+        seen.add(pid)
     for line in data.get("lines") or []:
         hit = key_line(line)
         if hit:
-            level = logging.DEBUG if hit[0] >= logging.ERROR and _DONE[0] else hit[0]
+            level = logging.DEBUG if hit[0] >= logging.ERROR and finished else hit[0]
             _send(0, level, "%s (pid %s): %s", who, data.get("pid"), hit[1])
 
 
@@ -127,6 +136,8 @@ def forward_to(lines: Any, records: Optional[Any] = None) -> Iterator[None]:
     """Inside this block, forward the workers' key lines to ``lines`` and the driver's records to ``records``
     (default ``lines``): loggers or adapters (anything with ``.log``)."""
     sink = (lines, records if records is not None else lines)
+    if not _SINK:
+        _DONE.clear()  # a new run: no stage of it has finished yet
     _SINK.append(sink)
     ray_data, ours = logging.getLogger("ray.data"), logging.getLogger("captionflow")
     level = ours.level

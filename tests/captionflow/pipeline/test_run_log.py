@@ -85,9 +85,11 @@ def test_a_completed_stage_leaves_no_error_line_from_its_engines_shutdown():
     an engine's error line is kept at DEBUG; during the wait it is an ERROR as before."""
     sink = Sink()
     with run_log.forward_to(sink):
-        with run_log.engines_at_work():
+        with run_log.engines_at_work():  # the captioning stage: its engine is pid 7
             run_log._on_worker_lines({"pid": 7, "actor_name": "engine", "lines": SHUTDOWN[-1:]})
-        run_log._on_worker_lines({"pid": 7, "actor_name": "engine", "lines": SHUTDOWN})
-    levels = [level for level, _ in sink.records]
-    assert levels == [logging.ERROR, logging.DEBUG], sink.records  # the KeyErrors dropped
-    assert all("EngineDeadError" in t for _, t in sink.records)
+        with run_log.engines_at_work():  # the next stage (the judge, pid 8) while pid 7 shuts down
+            run_log._on_worker_lines({"pid": 7, "actor_name": "engine", "lines": SHUTDOWN})
+            run_log._on_worker_lines({"pid": 8, "actor_name": "judge", "lines": SHUTDOWN[-1:]})
+    levels = [(level, t.split(" ")[0]) for level, t in sink.records]
+    assert levels == [(logging.ERROR, "engine"), (logging.DEBUG, "engine"), (logging.ERROR, "judge")], sink.records
+    assert all("EngineDeadError" in t for _, t in sink.records)  # the resource tracker's KeyErrors dropped
