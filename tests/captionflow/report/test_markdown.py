@@ -74,14 +74,15 @@ def test_concurrent_writers_lose_no_row(tmp_path):
     assert pq.read_table(store.path(LEADERBOARD)).num_rows == 80  # the compacted view holds every row too
 
 
-def test_report_shows_counts_metrics_and_best_and_worst_captions():
+def _manifest_and_inference(source: str, counts: Counts, reasons: dict) -> tuple[Manifest, InferenceResult]:
+    """A dataset's manifest and a run of it that captioned every accepted image."""
     manifest = Manifest(
         dataset_fingerprint="ds",
         schema_version=1,
-        source="/data/golden",
+        source=source,
         kind="images",
-        counts=Counts(listed=5, accepted=4, quarantined=1, duplicates=0),
-        quarantine_reasons={"empty_file": 1},
+        counts=counts,
+        quarantine_reasons=reasons,
         shards=[],
         params={},
         seconds=0.1,
@@ -89,13 +90,19 @@ def test_report_shows_counts_metrics_and_best_and_worst_captions():
     inference = InferenceResult(
         run_dir="/out/runs/x",
         run_parts=("runs", "ds", "m", "g"),
-        accepted=4,
-        captioned=4,
+        accepted=counts.accepted,
+        captioned=counts.accepted,
         failed=0,
         resumed_from=0,
         passes=[],
         timings_s={},
     )
+    return manifest, inference
+
+
+def test_report_shows_counts_metrics_and_best_and_worst_captions():
+    counts = Counts(listed=5, accepted=4, quarantined=1, duplicates=0)
+    manifest, inference = _manifest_and_inference("/data/golden", counts, {"empty_file": 1})
     metrics = {
         "stats": {
             "words": {"mean": 5.0},
@@ -165,21 +172,8 @@ def test_captions_and_file_names_cannot_break_the_markdown():
 
     from captionflow.report.markdown import md_text
 
-    manifest = Manifest(
-        dataset_fingerprint="ds",
-        schema_version=1,
-        source="/data/<golden>|set",
-        kind="images",
-        counts=Counts(listed=4, accepted=4, quarantined=0, duplicates=0),
-        quarantine_reasons={},
-        shards=[],
-        params={},
-        seconds=0.1,
-    )
-    inference = InferenceResult(
-        run_dir="/out/runs/x", run_parts=("runs", "ds", "m", "g"), accepted=4, captioned=4, failed=0,
-        resumed_from=0, passes=[], timings_s={},
-    )  # fmt: skip
+    counts = Counts(listed=4, accepted=4, quarantined=0, duplicates=0)
+    manifest, inference = _manifest_and_inference("/data/<golden>|set", counts, {})
     stats = {"words": {"mean": 5.0}, "truncated_rate": 0, "empty_rate": 0, "repetition_rate": 0, "failure_rate": 0}
     metrics = {
         "stats": {**stats, "vocabulary_size": 9},
