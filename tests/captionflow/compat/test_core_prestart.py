@@ -110,11 +110,11 @@ ACTOR_SCRIPT = textwrap.dedent("""
             batch["result"] = [json.dumps(self.result)] * len(batch["id"])
             return batch
 
-    class SharedCoreEngineUDF(vLLMEngineStageUDF):  # a stage whose engine attaches to a core started elsewhere
+    class OtherStageUDF(vLLMEngineStageUDF):  # another stage's actor (the same code, another name)
         pass
 
     got = {}
-    for udf in (vLLMEngineStageUDF, SharedCoreEngineUDF):
+    for udf in (vLLMEngineStageUDF, OtherStageUDF):
         rows = ray.data.range(2).map_batches(udf, concurrency=1, batch_size=2).take_all()
         got[udf.__name__] = json.loads(rows[0]["result"])
     print("RESULT " + json.dumps({"driver": driver, **got}))
@@ -129,4 +129,4 @@ def test_only_ray_data_llms_own_engine_stage_actor_prestarts_its_core_as_it_impo
     _, r = run_script(ACTOR_SCRIPT, tmp_path)
     assert r["driver"] is False
     assert r["vLLMEngineStageUDF"] == [True, 1]
-    assert r["SharedCoreEngineUDF"] == [False, 0]
+    assert r["OtherStageUDF"] == [False, 0]
