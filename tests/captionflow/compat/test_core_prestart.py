@@ -76,7 +76,13 @@ def test_the_engine_core_runs_in_the_process_prestarted_for_it_and_answers_as_vl
     # the front end's environment asks for a warm-up with its requests' sampling settings (compat/sampler_warmup):
     # the prestarted core sets that up before it starts
     warmup = sampler_warmup.environment({"temperature": 0.0, "top_p": 1.0, "seed": None})
-    own, ours = _run(prestarted=False, cwd=tmp_path), _run(prestarted=True, cwd=tmp_path, env=warmup)
+    # the two engines in two interpreters at once (each asserts on its own process tree; the suite's wall time)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        own_f = pool.submit(_run, prestarted=False, cwd=tmp_path)
+        ours_f = pool.submit(_run, prestarted=True, cwd=tmp_path, env=warmup)
+        own, ours = own_f.result(), ours_f.result()
     assert ours["children"] == [ours["prestarted"]]  # the one core process is the prestarted one
     assert "the warm-up samples with the run's sampling settings" in ours["log"]
     # the model's HF processor is loaded into vLLM's caches alongside the model, before the scheduler asks for it
