@@ -240,7 +240,7 @@ def engine_env(cfg: RunConfig) -> dict[str, str]:
     Inductor makes of the functions vLLM compiles outside its graphs (its sampler's) under Inductor's: all three go
     to ``compile_cache_dir`` when it is set, so that a fresh node finds them there.
     ``mm_tensor_ipc: torch_shm`` in ``engine_kwargs`` is refused by vLLM's config check unless the start method
-    is said to be ``spawn``: what vLLM uses from a Ray actor anyway, so it is said only then. The engines'
+    is said to be ``spawn`` (what vLLM uses from a Ray actor anyway): it is said only then. The engines'
     warm-up samples with the run's sampling settings (``compat/sampler_warmup``): only the sampler kernels its
     requests run are compiled at start."""
     from captionflow.compat import sampler_warmup
