@@ -57,6 +57,11 @@ def _stage_rate(a: argparse.Namespace, gpus: int, work: Path, extra: list[str]) 
         "rows_per_engine": rows,
         "balance": round(max(rows) / max(min(rows), 1), 3) if rows else None,  # most / fewest rows per engine
         "per_gpu": (stage.get("gpu_steady") or {}).get("per_gpu"),
+        "host_cpu_busy_pct": (stage.get("gpu_steady") or {}).get("host_cpu_busy_pct"),
+        "engines_accepting_after_s": stage.get("engines_accepting_after_s"),
+        # between 10% and 90% of the results: per GPU, the host's CPU and which processes used it
+        "window_10_90": stage.get("gpu_10_90"),
+        "trace": stage.get("gpu_trace"),
         "wall_s": stage.get("wall_s"),
     }
 

@@ -47,16 +47,66 @@ def visible_gpus(nvml) -> list[tuple[int, object]]:
     return chosen
 
 
+def process_label(name: str, cmdline: list[str]) -> str:
+    """What a process is, for the CPU profile: Ray's and vLLM's process titles (``ray::Actor.method``,
+    ``VLLM::EngineCore``) without their arguments, else the executable's name (a Python driver: its script)."""
+    first = cmdline[0] if cmdline else name
+    if first.startswith(("ray::", "VLLM::")):
+        return first.split()[0][:60]
+    if name.startswith("python") and "-c" in cmdline:
+        return "python -c"
+    if name.startswith("python") and len(cmdline) > 1:
+        script = next((c for c in cmdline[1:] if not c.startswith("-")), "")
+        return f"python {Path(script).name or script}"[:60]
+    return name[:60]
+
+
+def process_cpu_snapshot() -> dict[int, tuple[str, float]]:
+    """Every process's label and CPU seconds (user + system) so far."""
+    import psutil
+
+    snap = {}
+    for p in psutil.process_iter(["pid", "name", "cmdline", "cpu_times"]):
+        try:
+            times = p.info["cpu_times"]
+            if times is None:
+                continue
+            label = process_label(p.info["name"] or "", p.info["cmdline"] or [])
+            snap[p.info["pid"]] = (label, times.user + times.system)
+        except Exception:
+            continue
+    return snap
+
+
+def cpu_by_process(before: tuple[float, dict], after: tuple[float, dict], top: int = 12) -> list[dict]:
+    """Cores each kind of process used between two snapshots (CPU seconds / wall seconds), the busiest first, under
+    its label at the second (a Ray worker's title changes when it takes an actor); a process that started in between
+    counts from zero."""
+    (t0, a), (t1, b) = before, after
+    cores: dict[str, list] = {}
+    for pid, (label, sec) in b.items():
+        prev = a.get(pid)
+        used = sec - prev[1] if prev else sec
+        entry = cores.setdefault(label, [0.0, 0])
+        entry[0] += max(used, 0.0)
+        entry[1] += 1
+    dt = max(t1 - t0, 1e-9)
+    ranked = sorted(cores.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"process": k, "count": n, "cores": round(v / dt, 2)} for k, (v, n) in ranked if v / dt >= 0.05]
+
+
 class GpuSampler:
     """Samples utilisation (%) and memory used (bytes) of each visible GPU (``visible_gpus``), and the host's CPU
-    busy %, every ``period`` seconds. Figures are per GPU (``per_gpu``) and their mean (busy) or sum (memory)."""
+    busy %, every ``period`` seconds, and every process's CPU time every ``process_period`` seconds. Figures are per
+    GPU (``per_gpu``) and their mean (busy) or sum (memory); ``cpu_by_process``: cores per kind of process."""
 
-    def __init__(self, period: float = 0.25):
+    def __init__(self, period: float = 0.25, process_period: float = 2.0):
         import psutil
 
         self._cpu = psutil.cpu_percent
         self._cpu(None)
         self.period, self.samples, self._stop = period, [], threading.Event()
+        self.process_period, self.processes = process_period, []  # [(time, process_cpu_snapshot())]
         try:
             import pynvml
 
@@ -79,7 +129,12 @@ class GpuSampler:
                 self.samples.append((t, sum(util) / len(util), sum(mem), self._cpu(None), util, mem))
             else:
                 self.samples.append((t, None, None, self._cpu(None), [], []))
+            if not self.processes or t - self.processes[-1][0] >= self.process_period:
+                self.processes.append((t, process_cpu_snapshot()))
             self._stop.wait(self.period)
+
+    def _snapshot_near(self, t: float):
+        return min(self.processes, key=lambda x: abs(x[0] - t)) if self.processes else None
 
     def __enter__(self):
         self._thread.start()
@@ -125,7 +180,12 @@ class GpuSampler:
             "per_gpu": per_gpu,
             "host_cpu_busy_pct": round(sum(x[3] for x in s) / len(s), 1),
             "samples": len(s),
+            "cpu_by_process": self.cpu_by_process(t0, t1),
         }
+
+    def cpu_by_process(self, t0: float, t1: float) -> list[dict]:
+        a, b = self._snapshot_near(t0), self._snapshot_near(t1)
+        return cpu_by_process(a, b) if a and b and b[0] > a[0] else []
 
 
 def mid_window(finished: list[tuple[float, int]], n: int, lo: float = 0.1, hi: float = 0.9) -> tuple[float, float]:
