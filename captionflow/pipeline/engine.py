@@ -13,6 +13,7 @@ KV cache + overhead) each, at most the preset's ``max_engines_per_gpu``.
 from __future__ import annotations
 
 import copy
+import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -53,6 +54,15 @@ class EngineSettings:
         layout (``engines_per_gpu`` per GPU), since a warm run captions through them as fast as a cold run's
         engines would."""
         return self, max(1, self.concurrency)
+
+    def for_rows(self, rows: int, engines: int | None = None) -> EngineSettings:
+        """These settings for a pass of ``rows`` rows over ``engines`` engines (default: this layout's): at most an
+        even share of the rows in flight to each engine at once (``max_concurrent_batches``). The engines start
+        over several seconds, and the first to accept requests took up to 48 batches of 32 while the others were
+        still starting: 16,000 images on 16 engines went 4.8 : 1 between the busiest and the idlest engine, 5,000
+        on 4 went 49 / 48 / 48 / 12 batches. An engine that finishes its share early still takes the next batches."""
+        share = math.ceil(max(rows, 1) / (max(1, engines or self.concurrency) * self.batch_size))
+        return replace(self, max_concurrent_batches=max(1, min(self.max_concurrent_batches, share)))
 
     def single_engine(self) -> EngineSettings:
         """These settings for one engine per GPU with its own front end."""
@@ -185,7 +195,7 @@ def resolve_engine(
         mps=mps,
         accelerator_type=cfg.accelerator_type,
         tensor_parallel_size=cfg.tensor_parallel_size,
-        env=engine_env(cfg),
+        env={**preset.engine_env, **engine_env(cfg)},
         image_grid=image_grid(model.path, max_pixels),
         solo_engine_kwargs=final({}) if layout_kwargs else None,
         engine_metrics=engine_metrics,

@@ -200,6 +200,7 @@ def _caption_rows(
                 to_caption, max_tokens=cfg.max_tokens, model_fp=model.fingerprint, attempt=attempt
             ),
             warm=warm,
+            rows=len(pending),
         )
         ds = read_pending(store.fs, shards, ["image_id", "image"], pending, engine, fitted)
         return processor(ds).map(

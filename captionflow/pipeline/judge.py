@@ -144,6 +144,7 @@ def judge_passes(
                 request, image_prompt=image_prompt(judge.path), sampling=sampling, grid=engine.image_grid
             ),
             postprocess=functools.partial(out, attempt=attempt),
+            rows=len(pending),
         )
         images, expand = fan_out(pending) if fan_out else (pending, None)
         ds = read_pending(store.fs, shards, ["image_id", "image", "references"], images, engine, fitted)

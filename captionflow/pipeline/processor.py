@@ -92,11 +92,19 @@ def max_pending_requests(engine: EngineSettings) -> int | None:
 
 
 def build_vlm_processor(
-    engine: EngineSettings, model_path: str, preprocess: Callable, postprocess: Callable, warm=None
+    engine: EngineSettings,
+    model_path: str,
+    preprocess: Callable,
+    postprocess: Callable,
+    warm=None,
+    rows: int | None = None,
 ):
     """A Ray Data LLM processor for one VLM: ``preprocess`` turns a dataset row into a request,
-    ``postprocess`` the engine's answer into a result row."""
+    ``postprocess`` the engine's answer into a result row; for a pass of ``rows`` rows, each engine gets at most
+    its even share of them in flight at once (``EngineSettings.for_rows``)."""
     prewarmed()
+    if rows is not None:
+        engine = engine.for_rows(rows, len(warm.apps) if warm is not None else None)
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
     preset = engine.preset

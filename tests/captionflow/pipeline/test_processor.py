@@ -7,14 +7,14 @@ import functools
 from captionflow.config import RunConfig
 from captionflow.model_source import resolve_model
 from captionflow.pipeline.engine import resolve_engine
-from captionflow.pipeline.presets import CPU
+from captionflow.pipeline.presets import CPU, GPU
 from captionflow.pipeline.processor import build_vlm_processor, read_pending
 from captionflow.pipeline.request_format import image_prompt
 from captionflow.pipeline.session import WORKER_ENV, ray_session
 from captionflow.workers.llm_rows import caption_request, to_caption
 
 
-def _caption_processor(engine, model):
+def _caption_processor(engine, model, rows=None):
     """The captioning processor of ``engine`` for ``model`` (built, not run)."""
     return build_vlm_processor(
         engine,
@@ -28,6 +28,7 @@ def _caption_processor(engine, model):
             fail_ids=frozenset(),
         ),
         postprocess=functools.partial(to_caption, max_tokens=4, model_fp="m", attempt=0),
+        rows=rows,
     )
 
 
@@ -66,6 +67,22 @@ def test_processor_stages_carry_the_resolved_settings(builtin_model_dir, tmp_pat
     assert "VLLM_WORKER_MULTIPROC_METHOD" not in plain.env and "VLLM_CACHE_ROOT" not in plain.env
     assert "TRITON_CACHE_DIR" not in plain.env and "TORCHINDUCTOR_CACHE_DIR" not in plain.env
     assert passed["disable_log_stats"] is True  # no statistics work on the front end unless metrics are exported
+
+
+def test_a_pass_gives_each_engine_at_most_its_share_of_the_rows_in_flight(builtin_model_dir):
+    """The engines start seconds apart: the first to accept must not take every row of a small pass."""
+    ray_session(RunConfig(device="cpu"))
+    model = resolve_model("builtin")
+    engine = resolve_engine(RunConfig(device="cpu", batch_size=4, max_concurrent_batches=8, concurrency=3), model, CPU)
+    assert engine.for_rows(10_000).max_concurrent_batches == 8  # a long pass: the preset's depth
+    assert engine.for_rows(30).max_concurrent_batches == 3  # 30 rows over 3 engines: 10 each, 3 batches of 4
+    assert engine.for_rows(5).max_concurrent_batches == 1
+    assert engine.for_rows(30, engines=1).max_concurrent_batches == 8  # e.g. a warm service of one engine
+    llm = next(s for s in _caption_processor(engine, model, rows=30).stages.values())
+    assert llm.map_batches_kwargs["max_concurrency"] == 3
+    gpu = resolve_engine(RunConfig(device="gpu", gpu_memory_gib=80), model, GPU)
+    # one OpenMP thread per engine process: its front end's renderer threads are the parallelism
+    assert gpu.env["OMP_NUM_THREADS"] == "1" and "OMP_NUM_THREADS" not in engine.env
 
 
 def test_read_pending_gives_the_pending_rows_of_every_shard_in_batches(tmp_path, builtin_model_dir):
