@@ -187,6 +187,37 @@ class RunConfig(BaseModel):
         "evaluated on this dataset (its model source or fingerprint prefix) or a run folder. Gives a win rate "
         "with its 95% interval. The judge is judge_model (default: the model itself).",
     )
+    verdict: Literal["full", "sequential"] = Field(
+        "full",
+        title="Verdict: the full set, or stop as soon as it is sure",
+        description="'sequential': caption the dataset in a seeded random order and compare each image's CIDEr-D "
+        "(IDF from all the references) with verdict_against's, through an anytime-valid confidence sequence for "
+        "the mean difference over the whole set; captioning stops once it says better, worse or (with "
+        "verdict_margin) equivalent. Needs references. The same run with 'full' later captions the rest.",
+    )
+    verdict_against: str = Field(
+        "previous",
+        title="Sequential verdict against",
+        description="The baseline of the sequential verdict: 'previous' or 'best' (comparable runs: same dataset, "
+        "same generation settings), a checkpoint evaluated on this dataset or a run folder (external captions "
+        "imported with captionflow evaluate too). Without one yet, the run captions the full set.",
+    )
+    verdict_alpha: float = Field(
+        0.05,
+        gt=0.0,
+        lt=0.5,
+        title="Sequential verdict: error rate",
+        description="The chance that the sequential verdict says better or worse when the checkpoints do not "
+        "differ, however often it looks.",
+    )
+    verdict_margin: float = Field(
+        0.0,
+        ge=0.0,
+        le=10.0,
+        title="Sequential verdict: equivalence margin (CIDEr-D)",
+        description="Stop with 'equivalent' once the mean CIDEr-D difference over the set is surely within "
+        "+/- this; 0: no equivalence verdict.",
+    )
     clip_model: Optional[str] = Field(
         None,
         title="Reference-free score: CLIP checkpoint",
@@ -321,6 +352,10 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "judge",
         "judge_model",
         "pairwise_against",
+        "verdict",
+        "verdict_against",
+        "verdict_alpha",
+        "verdict_margin",
         "clip_model",
         "coco_java",
         "bootstrap_resamples",

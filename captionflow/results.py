@@ -93,6 +93,7 @@ class PassResult:
     failed: int
     seconds: float
     first_row_s: Optional[float] = None
+    stopped: bool = False  # ended early: the sequential verdict was in
 
 
 @dataclass
@@ -107,6 +108,7 @@ class InferenceResult:
     timings_s: dict[str, float]
     reused: int = 0  # captions of the same images taken from other run folders of this checkpoint and settings
     engines: str = "per-run"  # "per-run", or "warm (loaded|swapped|replaced)": the warm engine service
+    verdict: Optional[dict] = None  # the sequential verdict (evaluation/sequential.PrefixVerdict.record)
 
 
 @dataclass
@@ -254,6 +256,7 @@ class RunSummary:
                     "failed": p.failed,
                     "seconds": p.seconds,
                     "first_row_s": p.first_row_s,
+                    "stopped": p.stopped,
                 }
                 for p in inference.passes
             ],

@@ -11,6 +11,7 @@ import typing
 from pathlib import Path
 
 from captionflow.config import RunConfig, grouped_fields, load_config
+from captionflow.evaluation.sequential import verdict_line
 from deployments.deploy import POOL_TYPES
 from flows.status import cmd_status
 
@@ -92,6 +93,7 @@ def _summary_text(s: dict) -> str:
             [f"{k} {ref[k]:.4f}" for k in ("bleu_4", "rouge_l", "cider") if k in ref]
             + [f"mean words {m['stats']['words']['mean']:.1f}"]
         ),
+        *([f"  verdict   {verdict_line(m['sequential'])}"] if m.get("sequential") else []),
         "  time      " + ", ".join(f"{k} {v}s" for k, v in t.items()),
         f"  report    {s['report']}",
         *(

@@ -16,7 +16,8 @@ from prefect.logging import get_run_logger
 from captionflow.config import RunConfig
 from captionflow.data.storage import Store, open_fs
 from captionflow.evaluation.regression import EVENT, regression
-from captionflow.report.markdown import evaluated_as
+from captionflow.evaluation.sequential import verdict_line
+from captionflow.report.markdown import evaluated_as, md_text
 from tasks.policy import TIMEOUT_S, retry_transient
 
 EXAMPLES = 3
@@ -76,6 +77,13 @@ def publish_artifacts(summary: dict[str, Any]) -> None:
         table=summary.get("passes") or [{"attempt": "-", "sent": 0, "captioned": 0, "failed": 0}],
         description="inference passes: rows sent, captioned and failed in each (failed rows are retried alone)",
     )
+    seq = (summary.get("metrics") or {}).get("sequential")
+    if seq:
+        create_markdown_artifact(
+            markdown=f"**Sequential verdict**: {md_text(verdict_line(seq))}",
+            key="sequential-verdict",
+            description="the anytime-valid verdict against the baseline (its interval's trajectory: report.html)",
+        )
     fs, path = open_fs(summary["report"])
     create_markdown_artifact(
         markdown=fs.cat_file(path).decode("utf-8"), key="caption-report", description="captionflow evaluation report"

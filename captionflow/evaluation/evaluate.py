@@ -51,6 +51,8 @@ def evaluate(
     stats = length_stats([r["caption"] for r in rows], [r["finish_reason"] for r in rows], inference.failed, words)
     ref_agg, ref_per = reference_metrics(captions, refs, java=coco_java)
     metrics = {"stats": stats, "health": caption_health(rows, prompts, words), "reference": ref_agg}
+    if inference.verdict:
+        metrics["sequential"] = inference.verdict
     judged: dict[str, dict] = {}
     if judge:
         metrics["judge"] = judge.headline()

@@ -171,3 +171,76 @@ def seeded_order(image_ids: list[str], seed: str) -> list[str]:
     rng = np.random.default_rng(int.from_bytes(hashlib.sha256(seed.encode()).digest()[:8], "big"))
     ids = sorted(image_ids)
     return [ids[i] for i in rng.permutation(len(ids))]
+
+
+class PrefixVerdict:
+    """The sequential verdict of one run as its captions commit: the golden set's images that have a baseline
+    score, in ``seeded_order``; ``observe`` takes newly committed captions in any order, scores them (``score``:
+    captions -> per-image scores) and feeds the confidence sequence the differences of the order's *prefix* only -
+    the images up to the first one not yet captioned - never whichever captions finished first (caption length and
+    completion time go together: an early sample would be biased). True once the verdict is in."""
+
+    def __init__(
+        self,
+        order: list[str],
+        baseline: dict[str, float],
+        score,
+        bounds: tuple[float, float],
+        alpha: float = 0.05,
+        delta: float = 0.0,
+        score_name: str = "cider",
+        against: str = "",
+    ):
+        self.order = [i for i in order if i in baseline]
+        self.baseline, self.score, self.score_name, self.against = baseline, score, score_name, against
+        lo, hi = bounds
+        self.cs = ConfidenceSequence(len(self.order), (lo - hi, hi - lo), alpha, delta)
+        self.scored: dict[str, float] = {}
+        self.verdict = self.cs.verdict()
+
+    @property
+    def decided(self) -> bool:
+        return self.verdict.decision != "continue"
+
+    def observe(self, captions: dict[str, str]) -> bool:
+        new = {i: c for i, c in captions.items() if i in self.baseline and i not in self.scored}
+        if new:
+            self.scored.update(self.score(new))
+        k, differences = self.cs.n, []
+        while k < len(self.order) and self.order[k] in self.scored:
+            differences.append(self.scored[self.order[k]] - self.baseline[self.order[k]])
+            k += 1
+        if differences and not self.decided:
+            self.verdict = self.cs.update(differences)
+        return self.decided
+
+    def record(self, points: int = 200) -> dict:
+        """What metrics.json, the leaderboard and the report say of it: the decision, the images it used, alpha,
+        delta, the score, and the interval's trajectory (at most ``points`` of it, the stop included)."""
+        v, traj = self.verdict, self.cs.trajectory
+        step = max(1, len(traj) // points)
+        kept = traj[::step] + ([traj[-1]] if traj and (len(traj) - 1) % step else [])
+        return {
+            "decision": v.decision,
+            "images_used": v.n,
+            "images_total": len(self.order),
+            "alpha": self.cs.alpha,
+            "delta": self.cs.delta,
+            "score": self.score_name,
+            "against": self.against,
+            "mean_difference": round(float(v.mean), 6),
+            "lower": round(float(v.lower), 6),
+            "upper": round(float(v.upper), 6),
+            "trajectory": [[int(n), round(float(lo), 5), round(float(hi), 5)] for n, lo, hi in kept],
+        }
+
+
+def verdict_line(record: dict) -> str:
+    """'worse after 612 of 5,000 images (alpha 0.05, CIDEr-D difference -0.41, interval [-0.62, -0.18])'."""
+    r = record
+    what = {"continue": "undecided", "no difference": "no difference"}.get(r["decision"], r["decision"])
+    return (
+        f"{what} after {r['images_used']:,} of {r['images_total']:,} images (alpha {r['alpha']:g}, "
+        f"{r['score']} difference {r['mean_difference']:+.3f}, interval [{r['lower']:+.3f}, {r['upper']:+.3f}]"
+        f" against {r['against']})"
+    )

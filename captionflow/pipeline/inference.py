@@ -23,10 +23,14 @@ from captionflow.data.fingerprint import generation_fingerprint
 from captionflow.data.layout import CAPTIONS, run_parts, shard_paths
 from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
-from captionflow.errors import RowsFailed
+from captionflow.errors import BaselineError, DatasetError, RowsFailed
+from captionflow.evaluation.cider import BOUNDS as CIDER_BOUNDS
+from captionflow.evaluation.cider import FixedIdfCider
+from captionflow.evaluation.sequential import PrefixVerdict, seeded_order, verdict_line
 from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.engine import EngineSettings
-from captionflow.pipeline.ledger import Ledger, Progress, run_passes
+from captionflow.pipeline.ledger import Ledger, Progress, read_captions, run_passes
+from captionflow.pipeline.pairwise import resolve_baseline
 from captionflow.pipeline.processor import build_vlm_processor, fitted_folder, map_task_kwargs, read_pending
 from captionflow.pipeline.request_format import image_prompt
 from captionflow.pipeline.session import ray_session
@@ -118,15 +122,31 @@ def run_inference(
         reused = reuse_captions(store, run, ledger, all_ids - done, done)
         if progress:  # the folder is ours: an earlier attempt on it that did not finish is over
             progress(len(done & all_ids), len(done & all_ids), len(all_ids), 0.0)
-        if all_ids - done:
+        verdict = sequential_verdict(cfg, store, run, shards, all_ids) if cfg.verdict == "sequential" else None
+        if verdict is not None:
+            verdict.observe(read_captions(store, run))  # a rerun or resume continues the same order's prefix
+        if all_ids - done and not (verdict and verdict.decided):
             t0 = time.perf_counter()
             local = ray_session(cfg).started_here
             timings["ray_init_s"] = round(time.perf_counter() - t0, 2)
             with service.for_run(cfg, model, engine) as warm:  # its checkpoint loads while the passes start
                 with staged(model.path, engine.compile_dir, local=local and warm is None) as path:
                     fitted = fitted_folder(cfg, store, manifest, engine)
-                    rows_for = _caption_rows(cfg, model, path, engine, store, shards, fitted, warm)
-                    passes = run_passes(ledger, all_ids, done, cfg.row_retries, rows_for, progress)
+                    rows_for = _caption_rows(
+                        cfg, model, path, engine, store, shards, fitted, warm, ordered=verdict is not None
+                    )
+                    passes = run_passes(
+                        ledger,
+                        all_ids,
+                        done,
+                        cfg.row_retries,
+                        rows_for,
+                        progress,
+                        order=verdict.order if verdict else None,
+                        stop=(lambda rows: verdict.observe({r["image_id"]: r["caption"] for r in rows}))
+                        if verdict
+                        else None,
+                    )
                 if warm is not None:
                     warm.wait()
                     engines = f"warm ({warm.how})"
@@ -144,7 +164,12 @@ def run_inference(
         timings_s=timings,
         reused=reused,
         engines=engines,
+        verdict=verdict.record() if verdict else None,
     )
+    if verdict:
+        log.info("sequential verdict: %s", verdict_line(result.verdict))
+        if verdict.decided:  # the images the verdict did not need are not failures: only the last pass's are
+            result.failed = passes[-1].failed if passes and passes[-1].stopped else 0
     if result.failed:
         share = result.failed / max(result.accepted, 1)
         message = (
@@ -161,6 +186,42 @@ def run_inference(
     return result
 
 
+def sequential_verdict(
+    cfg: RunConfig, store: Store, run: tuple[str, ...], shards: list[str], ids: set[str]
+) -> Optional[PrefixVerdict]:
+    """The run's sequential verdict against ``verdict_against`` (``evaluation/sequential.py``): the golden set's
+    images with references and a baseline caption, in an order seeded by the dataset and the baseline run, each
+    scored by CIDEr-D with the IDF of all the references (``evaluation/cider.py``). None (the full set, said in
+    the log) while no baseline exists yet; DatasetError for a dataset without references."""
+    baseline = resolve_baseline(store, run, cfg.verdict_against, what="verdict_against")
+    if baseline is None:
+        log.info("verdict sequential: no %s comparable run yet, so the full set is captioned", cfg.verdict_against)
+        return None
+    data = store.read_tables(shards, columns=["image_id", "references"])
+    refs = {i: r for i, r in zip(data["image_id"].to_pylist(), data["references"].to_pylist()) if r} if data else {}
+    if not refs:
+        raise DatasetError(
+            f"verdict sequential: the dataset {cfg.dataset} has no reference captions to score CIDEr-D against "
+            "(give a caption_column, or use verdict full)"
+        )
+    cider = FixedIdfCider(refs)
+    theirs = Store(baseline["run_dir"])
+    baseline_scores = cider.scores({i: c for i, c in read_captions(theirs, ()).items() if i in ids})
+    if not baseline_scores:
+        raise BaselineError(f"verdict_against: the run {baseline['run_dir']} has no captions of this dataset's images")
+    order = seeded_order(sorted(baseline_scores), f"{run[1]}:{baseline['run_dir'].rstrip('/')}")
+    return PrefixVerdict(
+        order,
+        baseline_scores,
+        cider.scores,
+        CIDER_BOUNDS,
+        cfg.verdict_alpha,
+        cfg.verdict_margin,
+        "CIDEr-D",
+        against=baseline["model"],
+    )
+
+
 def _caption_rows(
     cfg: RunConfig,
     model: ResolvedModel,
@@ -170,10 +231,12 @@ def _caption_rows(
     shards: list[str],
     fitted: Optional[str],
     warm=None,
+    ordered: bool = False,
 ):
     """``rows_for(attempt, pending)``: the Ray dataset of caption rows for one pass; the engines load
     ``model_path`` (the checkpoint, or its staged slot: staging.py); ``fitted``: where the dataset's images
-    fitted to the engine's grid are kept (``processor.fitted_folder``)."""
+    fitted to the engine's grid are kept (``processor.fitted_folder``); ``ordered``: the rows go to the engines in
+    ``pending``'s order (a sequential verdict's)."""
     inject = frozenset(x for x in os.environ.get(INJECT_ENV, "").split(",") if x)
     sampling = {
         "max_tokens": cfg.max_tokens,
@@ -202,7 +265,7 @@ def _caption_rows(
             warm=warm,
             rows=len(pending),
         )
-        ds = read_pending(store.fs, shards, ["image_id", "image"], pending, engine, fitted)
+        ds = read_pending(store.fs, shards, ["image_id", "image"], pending, engine, fitted, ordered=ordered)
         return processor(ds).map(
             functools.partial(caption_fixed_schema, model_fp=model.fingerprint, attempt=attempt),
             **map_task_kwargs(engine),

@@ -75,6 +75,7 @@ class Ledger:
     ):
         self.store, self.base, self.ok_kind, self.schema, self.commit_rows = store, base, ok_kind, schema, commit_rows
         self.lease, self.stall_timeout_s, self.what = lease, stall_timeout_s, what
+        self.stopped = False  # the last pass ended early (drain's stop)
 
     def committed(self) -> set[str]:
         return self.store.ids(self.store.ls(*self.base, self.ok_kind, suffix=".parquet"))
@@ -99,12 +100,19 @@ class Ledger:
         return n
 
     def drain(
-        self, out, done: set, on_rows: Optional[Callable[[int, int, float], None]] = None
+        self,
+        out,
+        done: set,
+        on_rows: Optional[Callable[[int, int, float], None]] = None,
+        stop: Optional[Callable[[list[dict]], bool]] = None,
     ) -> tuple[int, int, Optional[float]]:
         """Pull the rows of Ray dataset ``out`` and commit them; ids of committed rows join ``done``.
         Returns (committed, failed, seconds to the first row); ``on_rows(results, committed, rows/s)`` as each
-        result row arrives and after each commit."""
+        result row arrives and after each commit; ``stop(rows)`` with each batch of rows without an error as it
+        arrives: when it says True, what arrived is committed at once and the pass ends there (``self.stopped``),
+        its Ray job shut down."""
         t0 = time.perf_counter()
+        self.stopped = False
         ok_rows: list[dict] = []
         failed_rows: list[dict] = []
         first_row_s = t_first = None
@@ -126,16 +134,24 @@ class Ledger:
         status = lambda: f"{n_ok + len(ok_rows)} {self.ok_kind} so far in this pass"
         try:
             with run_log.engines_at_work(), Watchdog(self.what, self.stall_timeout_s, status) as watchdog:
-                for row in out.iter_rows():
-                    watchdog.tick()
-                    if t_first is None:
-                        t_first = time.perf_counter()
-                        first_row_s = round(t_first - t0, 2)
-                    (failed_rows if row["error"] else ok_rows).append(row)
-                    if len(ok_rows) >= self.commit_rows:
-                        commit()
-                    elif not row["error"]:
-                        report()
+                rows = iter(out.iter_rows())
+                try:
+                    for row in rows:
+                        watchdog.tick()
+                        if t_first is None:
+                            t_first = time.perf_counter()
+                            first_row_s = round(t_first - t0, 2)
+                        (failed_rows if row["error"] else ok_rows).append(row)
+                        if stop is not None and not row["error"] and stop([row]):
+                            self.stopped = True
+                            commit()
+                            break
+                        if len(ok_rows) >= self.commit_rows:
+                            commit()
+                        elif not row["error"]:
+                            report()
+                finally:
+                    getattr(rows, "close", lambda: None)()  # a pass stopped early: Ray Data ends its job here
         except CaptionflowError:
             raise
         except Exception as e:  # the pipeline itself failed (an engine that would not start, an actor that died)
@@ -158,18 +174,22 @@ def run_passes(
     row_retries: int,
     rows_for: Callable[[int, list[str]], object],
     progress: Optional[Progress] = None,
+    order: Optional[list[str]] = None,
+    stop: Optional[Callable[[list[dict]], bool]] = None,
 ) -> list[PassResult]:
     """Send the ids of ``todo`` not yet in ``done`` through ``rows_for(attempt, pending)`` (a Ray dataset
     of fixed-schema result rows) and commit them; again for the rows that failed, up to ``row_retries``
-    more passes."""
+    more passes. ``order``: pending ids go in this order (else sorted); ``stop``: see ``Ledger.drain`` - once it
+    says True, no further pass."""
     passes = []
     for attempt in range(row_retries + 1):
-        pending = sorted(todo - done)
+        left = todo - done
+        pending = [i for i in order if i in left] + sorted(left - set(order)) if order else sorted(left)
         if not pending:
             break
         t_pass = time.perf_counter()
         on_rows = _reporter(progress, len(done & todo), len(todo)) if progress else None
-        n_ok, n_failed, first_row_s = ledger.drain(rows_for(attempt, pending), done, on_rows)
+        n_ok, n_failed, first_row_s = ledger.drain(rows_for(attempt, pending), done, on_rows, stop)
         passes.append(
             PassResult(
                 attempt=attempt,
@@ -178,8 +198,11 @@ def run_passes(
                 failed=n_failed,
                 seconds=round(time.perf_counter() - t_pass, 2),
                 first_row_s=first_row_s,
+                stopped=ledger.stopped,
             )
         )
+        if ledger.stopped:
+            break
     return passes
 
 

@@ -47,9 +47,12 @@ from captionflow.workers.llm_rows import (
 LATEST, BEST = "previous", "best"
 
 
-def resolve_baseline(store: Store, run: tuple[str, ...], against: str) -> Optional[dict]:
+def resolve_baseline(
+    store: Store, run: tuple[str, ...], against: str, what: str = "pairwise_against"
+) -> Optional[dict]:
     """The leaderboard row (or a row-like dict for a run folder) of the baseline run; None for ``previous`` or
-    ``best`` when no comparable run exists yet. Raises BaselineError for a baseline that cannot be found."""
+    ``best`` when no comparable run exists yet. Raises BaselineError (naming the parameter ``what``) for a baseline
+    that cannot be found."""
     ds_fp, model_fp, gen_fp = run[1], run[2], run[3]
     board = [
         r for r in read_leaderboard(store) if r["dataset_fingerprint"] == ds_fp and r["model_fingerprint"] != model_fp
@@ -67,11 +70,14 @@ def resolve_baseline(store: Store, run: tuple[str, ...], against: str) -> Option
     folder = Store(against)
     if folder.exists(CAPTIONS):
         if f"/runs/{ds_fp}/" not in "/" + folder.url().strip("/") + "/":
-            raise BaselineError(f"pairwise_against: {against} is a run on another dataset (this one is {ds_fp})")
+            raise BaselineError(f"{what}: {against} is a run on another dataset (this one is {ds_fp})")
+        row = next((r for r in board if r["run_dir"].rstrip("/") == folder.url().rstrip("/")), None)
+        if row:  # a run folder on the leaderboard (external captions, other generation settings): by its name
+            return row
         return {"model": against, "run_dir": folder.url(), "model_fingerprint": folder.url().rstrip("/").split("/")[-2]}
     known = ", ".join(sorted({r["model"] for r in same})) or "none"
     raise BaselineError(
-        f"pairwise_against: {against!r} is neither 'previous', 'best', a checkpoint evaluated on this dataset with "
+        f"{what}: {against!r} is neither 'previous', 'best', a checkpoint evaluated on this dataset with "
         f"these generation settings (known: {known}) nor a run folder with captions/"
     )
 

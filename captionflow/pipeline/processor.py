@@ -28,7 +28,7 @@ from captionflow.data.layout import FITTED, dataset_parts
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.session import WORKER_ENV, keep_sigterm
 from captionflow.workers.fitted_images import cache_key, fitted_path
-from captionflow.workers.llm_rows import read_pending_rows
+from captionflow.workers.llm_rows import RANK, read_pending_rows
 
 
 def map_task_kwargs(engine: EngineSettings) -> dict[str, Any]:
@@ -46,9 +46,12 @@ def read_pending(
     pending: list[str],
     engine: EngineSettings,
     fitted: str | None = None,
+    ordered: bool = False,
 ):
     """A Ray dataset of the dataset shards' rows whose image_id is in ``pending``; with ``fitted`` (a folder:
-    ``fitted_folder``), their images fitted to the engine's grid, read from there or fitted once and kept.
+    ``fitted_folder``), their images fitted to the engine's grid, read from there or fitted once and kept;
+    ``ordered``: in ``pending``'s order (sorted by the position, across shards: a sequential verdict's order,
+    whose prefix must reach the engines first), else shard by shard.
 
     One read task per shard, named by the manifest: no listing (Ray Data 2.60's ``read_parquet`` first lists
     the files in a task of its own that reads their footers on a pool of actors: two process starts one after
@@ -67,8 +70,11 @@ def read_pending(
         columns=columns,
         pending=pa.array(pending, pa.string()),
         grid=engine.image_grid if fitted else None,
+        ranked=ordered,
     )
     ds = ds.map_batches(read, batch_size=1, batch_format="pyarrow", **map_task_kwargs(engine))
+    if ordered:
+        ds = ds.sort(RANK).drop_columns([RANK])
     return ds.repartition(target_num_rows_per_block=engine.batch_size)
 
 

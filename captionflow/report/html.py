@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from captionflow.data.layout import shard_paths
 from captionflow.data.storage import Store
+from captionflow.evaluation.sequential import verdict_line
 from captionflow.results import Manifest
 
 THUMB_PX = 160
@@ -127,6 +128,33 @@ def chart_png(rows: list[dict], current_run_dir: str) -> Optional[bytes]:
     return buf.getvalue()
 
 
+def verdict_png(record: dict) -> bytes:
+    """The sequential verdict's interval for the mean difference over the set, image by image, with 0, the
+    equivalence margin and the stop marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    traj = record["trajectory"]
+    n = [t[0] for t in traj]
+    fig = Figure(figsize=(6.4, 3.0), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    ax.fill_between(n, [t[1] for t in traj], [t[2] for t in traj], color="#2060a0", alpha=0.3, step="post")
+    ax.axhline(0, color="black", linewidth=0.8)
+    if record.get("delta"):
+        for y in (-record["delta"], record["delta"]):
+            ax.axhline(y, color="grey", linestyle=":", linewidth=0.8)
+    ax.axvline(record["images_used"], color="#d04010", linestyle="--", linewidth=1)
+    ax.set_xlabel(f"images (of {record['images_total']:,}) in the seeded order")
+    ax.set_ylabel(f"{record['score']} difference")
+    ax.set_title(f"{record['decision']} after {record['images_used']:,} images (alpha {record['alpha']:g})")
+    ax.grid(alpha=0.3)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
 def _e(v: Any) -> str:
     return html.escape(str(v))
 
@@ -181,6 +209,16 @@ def render_html(
         f"<tr><td>truncated at max_tokens</td>{_num(s['truncated_rate'], '{:.1%}')}</tr>",
         f"<tr><td>failure rate</td>{_num(s['failure_rate'], '{:.1%}')}</tr></table>",
     ]
+    seq = metrics.get("sequential")
+    if seq:
+        out += [
+            f"<h2>Sequential verdict against <code>{_e(seq['against'])}</code></h2>",
+            f"<p id='verdict'><b>{_e(verdict_line(seq))}</b>. The interval holds for the mean {_e(seq['score'])} "
+            f"difference over all {seq['images_total']:,} images at every image count at once (anytime-valid), "
+            "so stopping as soon as it excludes 0 keeps the error rate at alpha.</p>",
+            f"<img id='verdict-chart' alt='the interval narrowing over images' src='data:image/png;base64,"
+            f"{base64.b64encode(verdict_png(seq)).decode('ascii')}'>",
+        ]
     if metrics.get("slices"):
         cols = [k for k in metrics["slices"][0] if k not in ("slice", "n")]
         out.append(

@@ -11,6 +11,7 @@ import pyarrow as pa
 from captionflow.data.layout import EXTERNAL_GENERATION, LEADERBOARD
 from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
+from captionflow.evaluation.sequential import verdict_line
 from captionflow.results import InferenceResult, Manifest
 
 COMPARED = ("bleu_4", "rouge_l", "cider", "meteor", "judge_mean", "clip_score")
@@ -58,6 +59,8 @@ def update_leaderboard(store: Store, ds_fp: str, run: tuple, model_source: str, 
         "failure_rate": metrics["stats"]["failure_rate"],
         **{k: metrics["reference"].get(k) for k in ("bleu_4", "rouge_l", "cider", "meteor")},
         "judge_mean": (metrics.get("judge") or {}).get("mean_score"),
+        # a sequential verdict's decision, e.g. "worse after 612 of 5,000 images (alpha 0.05, ...)"
+        "verdict": verdict_line(metrics["sequential"]) if metrics.get("sequential") else None,
         "clip_score": (metrics.get("clip") or {}).get("mean"),
         "external": run[3] == EXTERNAL_GENERATION,  # captions produced elsewhere (captionflow evaluate)
     }
@@ -213,6 +216,7 @@ def render_report(
         f"- dataset: {md_text(manifest.source)} (`{manifest.dataset_fingerprint}`)",
         f"- inputs: {c.listed} listed, {c.accepted} accepted, {c.quarantined} quarantined, {c.duplicates} duplicates",
         f"- captioned: {inference.captioned}, failed: {inference.failed}",
+        *([f"- sequential verdict: {md_text(verdict_line(metrics['sequential']))}"] if "sequential" in metrics else []),
         "- to look at: `report.html` beside this file (thumbnails, side by side with the compared checkpoint, chart)",
         "",
         "## Headline metrics",

@@ -70,13 +70,27 @@ def keep_pending(batch: pa.Table, *, pending: pa.Array) -> pa.Table:
     return batch.filter(pc.is_in(batch["image_id"], value_set=pending))
 
 
+RANK = "__rank__"  # a row's position in ``pending`` (read_pending_rows(ranked=True))
+
+
 def read_pending_rows(
-    batch: pa.Table, *, fs, columns: list[str], pending: pa.Array, grid: Optional[tuple[int, int, int]] = None
+    batch: pa.Table,
+    *,
+    fs,
+    columns: list[str],
+    pending: pa.Array,
+    grid: Optional[tuple[int, int, int]] = None,
+    ranked: bool = False,
 ) -> pa.Table:
     """Read: the ``pending`` rows (``columns``) of the dataset shards named in ``batch["shard"]`` (``fs``: the
     output root's fsspec filesystem). Where ``batch["fitted"]`` names a file, each image comes fitted to ``grid``
-    from there (``fitted_images``)."""
+    from there (``fitted_images``). ``ranked``: with a ``RANK`` column, each row's position in ``pending``."""
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
+
+    if ranked:
+        table = read_pending_rows(batch, fs=fs, columns=columns, pending=pending, grid=grid)
+        return table.append_column(RANK, pc.index_in(table["image_id"], value_set=pending).cast(pa.int64()))
 
     tables = []
     for path, fitted_path in zip(batch["shard"].to_pylist(), batch["fitted"].to_pylist()):

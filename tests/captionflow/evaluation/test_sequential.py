@@ -148,3 +148,30 @@ def test_the_order_is_a_seeded_permutation_independent_of_the_listing():
     assert sorted(order) == sorted(ids) and order != sorted(ids)
     assert seeded_order(list(reversed(ids)), "dataset-fp/baseline-fp") == order  # the listing's order: irrelevant
     assert seeded_order(ids, "dataset-fp/other-baseline") != order
+
+
+def test_the_verdict_sees_the_orders_prefix_not_whichever_captions_came_first():
+    """Captions that arrive out of order wait until every image before them in the order is in."""
+    from captionflow.evaluation.sequential import PrefixVerdict
+
+    ids = [f"i{k}" for k in range(50)]
+    order = seeded_order(ids, "prefix")
+    baseline = dict.fromkeys(ids, 1.0)
+    seen_scored = []
+
+    def score(captions):
+        seen_scored.extend(captions)
+        return {i: float(c) for i, c in captions.items()}
+
+    pv = PrefixVerdict(order, baseline, score, (0.0, 1.0), alpha=0.05)
+    assert pv.observe({order[k]: "0" for k in range(1, 30)}) is False  # the order's first image is missing
+    assert pv.cs.n == 0 and len(seen_scored) == 29  # scored as they arrive, but nothing fed yet
+    decided = pv.observe({order[0]: "0"})  # now the prefix runs to 30 images at once, each 1 below the baseline
+    assert pv.cs.n == 30 and decided and pv.verdict.decision == "worse"
+    record = pv.record()
+    assert record["images_used"] == 30 and record["images_total"] == 50 and record["upper"] < 0
+    assert record["trajectory"][-1][0] == 30
+    assert pv.observe({order[k]: "1" for k in range(30, 50)}) is True  # decided stays decided: no more updates
+    assert pv.cs.n == 30
+    # images the baseline lacks are not in the population
+    assert len(PrefixVerdict(order, dict.fromkeys(ids[:20], 1.0), score, (0.0, 1.0)).order) == 20

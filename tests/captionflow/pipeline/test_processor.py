@@ -106,3 +106,12 @@ def test_read_pending_gives_the_pending_rows_of_every_shard_in_batches(tmp_path,
     assert sorted(got) == sorted(pending[:-1])  # every pending row once, nothing else (img-9-0 is in no shard)
     assert all(b.column_names == ["image_id", "image"] for b in batches)
     assert max(b.num_rows for b in batches) <= engine.batch_size  # re-blocked: the engine sees batches, not shards
+    # ordered: across shards, in pending's order (a sequential verdict's prefix reaches the engines first)
+    import random
+
+    order = pending[:-1]
+    random.Random(3).shuffle(order)
+    ds = read_pending(fsspec.filesystem("file"), shards, ["image_id", "image"], order, engine, ordered=True)
+    batches = list(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
+    assert [i for b in batches for i in b["image_id"].to_pylist()] == order
+    assert all(b.column_names == ["image_id", "image"] for b in batches)

@@ -1,0 +1,79 @@
+"""The sequential verdict end to end: a real Prefect API, Ray Data and vLLM on CPU, real Parquet. A baseline whose
+captions are the references (external captions, `captionflow evaluate`) against the built-in random model: clearly
+worse, so the run stops captioning long before the set ends; the same run in full-set mode then captions the rest,
+every image once."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from captionflow.builtin.synthetic import make_images
+
+N = 96
+COLORS = ["red", "blue", "green", "yellow", "black", "white", "brown", "grey", "orange", "pink"]
+THINGS = ["dog", "cat", "horse", "bird", "car", "bus", "bicycle", "boat", "kite", "train"]
+VERBS = ["stands", "sits", "runs", "waits", "rests", "lies", "plays", "parks"]
+PLACES = ["grass", "road", "beach", "field", "street", "park", "snow", "lake"]
+
+
+def _references(i: int) -> list[str]:
+    r = random.Random(i)
+    c, t, v, p = r.choice(COLORS), r.choice(THINGS), r.choice(VERBS), r.choice(PLACES)
+    return [f"a {c} {t} {v} on the {p}", f"the {c} {t} {v} near the {p}", f"a {t} that {v} by the {p}"]
+
+
+def _caption_rows(run_dir: str) -> list[str]:
+    return [
+        i for p in sorted(Path(run_dir, "captions").glob("*.parquet")) for i in pq.read_table(p)["image_id"].to_pylist()
+    ]
+
+
+def test_a_sequential_run_stops_once_sure_and_a_full_run_captions_the_rest(prefect_api, tmp_path):
+    from flows.cli import main
+
+    data = make_images(tmp_path / "golden", N, size=(64, 48))
+    refs = {f"img_{i:06d}.jpg": _references(i) for i in range(N)}
+    (data / "captions.jsonl").write_text(
+        "".join(json.dumps({"file_name": k, "captions": v}) + "\n" for k, v in refs.items())
+    )
+    teacher = tmp_path / "teacher.jsonl"
+    teacher.write_text("".join(json.dumps({"file_name": k, "caption": v[0]}) + "\n" for k, v in refs.items()))
+    common = ["--dataset", str(data), "--output", str(tmp_path / "out")]
+    assert (
+        main(["evaluate", str(teacher), "--name", "teacher", *common, "--summary-json", str(tmp_path / "t.json")]) == 0
+    )
+    baseline = json.loads((tmp_path / "t.json").read_text())["run_dir"]
+
+    run = ["run", *common, "--max-tokens", "6", "--verdict-against", baseline, "--summary-json"]
+    assert main([*run, str(tmp_path / "seq.json"), "--verdict", "sequential"]) == 0
+    seq = json.loads((tmp_path / "seq.json").read_text())
+    v = seq["metrics"]["sequential"]
+    assert v["decision"] == "worse" and v["upper"] < 0 and v["images_total"] == N
+    assert v["against"] == "external:teacher" and v["score"] == "CIDEr-D" and v["alpha"] == 0.05
+    assert v["images_used"] < N // 2  # stopped long before the set's end
+    captioned = _caption_rows(seq["run_dir"])
+    assert v["images_used"] <= len(captioned) < N and len(set(captioned)) == len(captioned)
+    assert seq["counts"]["failed"] == 0 and seq["passes"][-1]["stopped"] is True
+    assert v["trajectory"][-1][0] == v["images_used"] and v["trajectory"][0][0] == 1
+    html = Path(seq["report_html"]).read_text(encoding="utf-8")
+    assert "id='verdict'" in html and f"worse after {v['images_used']}" in html and "verdict-chart" in html
+    board = {r["run_dir"]: r for r in pq.read_table(tmp_path / "out" / "leaderboard.parquet").to_pylist()}
+    assert board[seq["run_dir"]]["verdict"].startswith(f"worse after {v['images_used']} of {N} images (alpha 0.05")
+
+    # the same command again: the verdict is in from the committed captions, nothing more is captioned
+    assert main([*run, str(tmp_path / "again.json"), "--verdict", "sequential"]) == 0
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["metrics"]["sequential"]["images_used"] == v["images_used"]
+    assert sorted(_caption_rows(seq["run_dir"])) == sorted(captioned)
+
+    # full-set mode on the same folder: the rest captioned, every image once, the captions made before kept
+    assert main([*run, str(tmp_path / "full.json"), "--verdict", "full"]) == 0
+    full = json.loads((tmp_path / "full.json").read_text())
+    everything = _caption_rows(full["run_dir"])
+    assert full["run_dir"] == seq["run_dir"] and full["resumed_from"] == len(captioned)
+    assert len(everything) == N and len(set(everything)) == N and set(captioned) <= set(everything)
+    assert "sequential" not in full["metrics"]
