@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from captionflow.builtin.synthetic import make_images
 
-N = 96
+N = 64
 COLORS = ["red", "blue", "green", "yellow", "black", "white", "brown", "grey", "orange", "pink"]
 THINGS = ["dog", "cat", "horse", "bird", "car", "bus", "bicycle", "boat", "kite", "train"]
 VERBS = ["stands", "sits", "runs", "waits", "rests", "lies", "plays", "parks"]
