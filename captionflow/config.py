@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 DEFAULT_OUTPUT = "./captionflow-out"
 DEFAULT_PROMPT = "Describe this image in one sentence."
@@ -280,6 +280,21 @@ class RunConfig(BaseModel):
         description="Runs on the same dataset folder or run folder take turns (a lease on the output root); a run "
         "that waited this long for the other one fails, naming it.",
     )
+    deadline: Optional[str] = Field(
+        None,
+        title="Deadline",
+        description="When the run is due: a duration from its start (8h, 90m, 1h30m, 45s, 2d) or a time "
+        "(2026-11-29T06:00:00+00:00; no zone: UTC). The progress artifact and the log compare the projected "
+        "completion with it; the first projection later than it by more than deadline_margin_s emits the Prefect "
+        "event captionflow.run.sla-at-risk once; the summary says whether the run met it.",
+    )
+    deadline_margin_s: int = Field(
+        60,
+        ge=0,
+        title="Seconds late a projection may be before the run is at risk",
+        description="The sla-at-risk event is emitted the first time the projected completion is later than the "
+        "deadline by more than this.",
+    )
     stall_timeout_s: int = Field(
         1800,
         ge=60,
@@ -314,6 +329,17 @@ class RunConfig(BaseModel):
     def dummy_weights(self) -> bool:
         """vLLM draws random weights (``engine_kwargs.load_format == "dummy"``): no weight files needed."""
         return self.engine_kwargs.get("load_format") == "dummy"
+
+    @field_validator("deadline")
+    @classmethod
+    def _deadline_parses(cls, v: Optional[str]) -> Optional[str]:
+        if v:
+            from datetime import UTC, datetime
+
+            from captionflow.pipeline.deadline import parse
+
+            parse(v, datetime.now(UTC))  # ValueError: what is accepted
+        return v
 
     def generation_params(self) -> dict[str, Any]:
         """What decides the generated text besides dataset and model (the generation fingerprint)."""
@@ -379,7 +405,15 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "compile_cache_dir",
     ),
     "Cluster": ("ray_address", "metrics_port", "ray_num_cpus", "placement_wait_s"),
-    "Reliability": ("row_retries", "commit_rows", "max_failure_rate", "lease_wait_s", "stall_timeout_s"),
+    "Reliability": (
+        "row_retries",
+        "commit_rows",
+        "max_failure_rate",
+        "lease_wait_s",
+        "stall_timeout_s",
+        "deadline",
+        "deadline_margin_s",
+    ),
 }
 
 

@@ -212,6 +212,7 @@ class RunSummary:
     model_fingerprint: str = ""
     flow_run_id: str = ""
     regression: Optional[dict[str, Any]] = None  # the alert's payload when the checkpoint regressed
+    deadline: Optional[dict[str, Any]] = None  # met or missed (pipeline/deadline.Deadline.outcome); None: no deadline
 
     @classmethod
     def build(

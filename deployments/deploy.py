@@ -37,6 +37,8 @@ EVENT = "captionflow.checkpoint.created"
 REGRESSED_AUTOMATION = "captionflow: checkpoint regressed"
 FAILED_AUTOMATION = "captionflow: automation failed"
 RUN_FAILED_AUTOMATION = "captionflow: run failed"
+SLA_AUTOMATION = "captionflow: run at risk of missing its deadline"
+BACKSTOP_AUTOMATION = "captionflow: run not completed by its deadline"
 FLOWS = ("captionflow", "captionflow-compare", "captionflow-compare-parallel", "captionflow-evaluate")
 # the states in which a flow run ended without a result
 RUN_FAILED_EVENTS = {"prefect.flow-run.Failed", "prefect.flow-run.Crashed", "prefect.flow-run.TimedOut"}
@@ -151,14 +153,21 @@ def notification_block_id(slug: str):
     return block._block_document_id
 
 
-def ensure_automations(block_id) -> dict[str, str]:
-    """Create (or replace) the regression, run-failure and automation-failure automations; returns {name: id}."""
+def ensure_automations(block_id, deadline: str | None = None) -> dict[str, str]:
+    """Create (or replace) the regression, run-failure, deadline and automation-failure automations; returns
+    {name: id}. ``deadline``: the deployments' default deadline; as a duration it also gets a backstop, a proactive
+    automation that notifies when a captionflow flow run is not Completed that long after it started Running - for
+    runs that never report (killed, lost with their node), whose sla-at-risk event never comes."""
+    from datetime import timedelta
+
     from prefect.automations import Automation
     from prefect.client.orchestration import get_client
     from prefect.events.actions import SendNotification
     from prefect.events.schemas.automations import EventTrigger, Posture
 
     from captionflow.evaluation.regression import EVENT as REGRESSED
+    from captionflow.pipeline.deadline import EVENT as AT_RISK
+    from captionflow.pipeline.deadline import duration_s
 
     wanted = {
         REGRESSED_AUTOMATION: (
@@ -185,6 +194,19 @@ def ensure_automations(block_id) -> dict[str, str]:
             "Flow run {{ flow_run.name }} of {{ deployment.name }} ended {{ flow_run.state.name }}: "
             "{{ flow_run.state.message }}",
         ),
+        SLA_AUTOMATION: (
+            EventTrigger(
+                expect={AT_RISK},
+                match={"prefect.resource.id": "captionflow.run.*"},
+                posture=Posture.Reactive,
+                threshold=1,
+            ),
+            "captionflow: {{ event.resource.name }} is projected {{ event.payload.projected_late }} late",
+            "{{ event.payload.model }}: deadline {{ event.payload.deadline }}, projected "
+            "{{ event.payload.projected_late }} late at {{ event.payload.rows_per_s }} rows/s with "
+            "{{ event.payload.rows_left }} rows left. "
+            "Run: {{ event.payload.run_dir }}",
+        ),
         FAILED_AUTOMATION: (
             EventTrigger(
                 expect={"prefect.automation.action.failed"},
@@ -196,8 +218,29 @@ def ensure_automations(block_id) -> dict[str, str]:
             "{{ event.resource.name }}: {{ event.payload.reason }}",
         ),
     }
+    within = duration_s(deadline) if deadline else None
+    if within:
+        wanted[BACKSTOP_AUTOMATION] = (
+            EventTrigger(
+                after={"prefect.flow-run.Running"},
+                expect={"prefect.flow-run.Completed"},
+                for_each={"prefect.resource.id"},
+                match={"prefect.resource.id": "prefect.flow-run.*"},
+                match_related={"prefect.resource.role": "flow", "prefect.resource.name": list(FLOWS)},
+                posture=Posture.Proactive,
+                threshold=1,
+                within=timedelta(seconds=within),
+            ),
+            "captionflow: a run is not Completed by its deadline",
+            f"A captionflow flow run has been running for {deadline} (the deployments' deadline) without reaching "
+            "Completed: it is late, or its process is gone. Check the Prefect UI's flow runs.",
+        )
     ids = {}
     with get_client(sync_client=True) as client:
+        for name in (SLA_AUTOMATION, BACKSTOP_AUTOMATION):  # a deadline no longer given: its backstop goes
+            if name not in wanted:
+                for old in client.read_automations_by_name(name):
+                    client.delete_automation(old.id)
         for name, (trigger, subject, body) in wanted.items():
             for old in client.read_automations_by_name(name):
                 client.delete_automation(old.id)
@@ -332,5 +375,5 @@ def deploy(
     )
     out = {d.name: str(i) for d, i in zip(deployments, ids)}
     if block_id is not None:
-        out.update(ensure_automations(block_id))
+        out.update(ensure_automations(block_id, base.deadline))
     return out

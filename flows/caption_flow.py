@@ -15,6 +15,7 @@ from prefect import flow, runtime
 from prefect.utilities.annotations import opaque
 
 from captionflow.config import RunConfig
+from captionflow.pipeline import deadline
 from captionflow.results import RunSummary
 from flows.parameters import with_config_parameters
 from tasks.clip import clip_task
@@ -45,5 +46,7 @@ def caption_flow(config: RunConfig) -> dict:
         clipped = clip_task(config, manifest, captions, checked) if config.clip_model else None
         scored = evaluate_task(config, manifest, captions, judged, paired, clipped)
     summary = RunSummary.build(ing, manifest, captions, scored, stages.records, stages.elapsed(), runtime.flow_run.id)
+    due = deadline.for_run(config.deadline, config.deadline_margin_s, runtime.flow_run.scheduled_start_time)
+    summary.deadline = due.outcome() if due else None
     summary.regression = publish_task(config, summary.to_dict())
     return summary.to_dict()

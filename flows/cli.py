@@ -94,6 +94,7 @@ def _summary_text(s: dict) -> str:
             + [f"mean words {m['stats']['words']['mean']:.1f}"]
         ),
         *([f"  verdict   {verdict_line(m['sequential'])}"] if m.get("sequential") else []),
+        *([f"  deadline  {d['line']} ({d['deadline']})"] if (d := s.get("deadline")) else []),
         "  time      " + ", ".join(f"{k} {v}s" for k, v in t.items()),
         f"  report    {s['report']}",
         *(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import threading
 import time
@@ -11,11 +12,14 @@ from typing import Optional
 
 from prefect import task
 from prefect.logging import get_run_logger
+from prefect.runtime import flow_run
 
 from captionflow.config import RunConfig
 from captionflow.data.fingerprint import digest
 from captionflow.data.layout import CAPTIONS, missing_rows, shard_paths
 from captionflow.data.storage import Store
+from captionflow.pipeline.deadline import EVENT as DEADLINE_EVENT
+from captionflow.pipeline.deadline import for_run, human
 from captionflow.pipeline.inference import caption_run_parts, run_inference
 from captionflow.results import InferenceResult, Manifest, PreflightResult
 from tasks.policy import TIMEOUT_S, retry_transient
@@ -51,8 +55,11 @@ class ProgressArtifact:
     second: the stage never waits for them (the first one, which also reads the folder's earlier attempts, came
     before the run's first request). ``close`` waits for the last one; ``failed`` ends the attempt's artifact."""
 
-    def __init__(self, folder: str, log_every_s: float = 30.0):
+    def __init__(self, folder: str, log_every_s: float = 30.0, deadline=None, at_risk=None):
         self.key = f"inference-progress-{digest(folder, 12)}"
+        # the run's Deadline (pipeline/deadline.py) and what to call, once, when the projection is late by more
+        # than its margin: at_risk(slack_s, eta_s, rate, remaining rows)
+        self.deadline, self._at_risk, self.at_risk_sent = deadline, at_risk, False
         self.id = None
         self.last_log = 0.0
         self.log_every_s = log_every_s
@@ -112,9 +119,18 @@ class ProgressArtifact:
         pct = 100.0 * seen / max(total, 1)
         eta = (total - seen) / rate if rate > 0 else float("inf")
         line = f"captioned {seen}/{total} ({committed} committed), {rate:.2f} rows/s, ETA {eta:.0f} s"
+        late = False
+        if self.deadline is not None and rate > 0 and seen < total:
+            slack = self.deadline.slack_s(eta)
+            line += f"; deadline {self.deadline.at:%Y-%m-%d %H:%M:%S} UTC: {self.deadline.line(slack)}"
+            if self.deadline.at_risk(slack) and not self.at_risk_sent and self._at_risk is not None:
+                self.at_risk_sent = late = True
+                self._at_risk(slack, eta, rate, total - seen)
         update_progress_artifact(artifact_id=self.id, progress=pct, description=line)
         now = time.monotonic()
-        if now - self.last_log >= self.log_every_s or seen >= total:
+        if late:
+            get_run_logger().warning("inference: %s: event %s", line, DEADLINE_EVENT)
+        elif now - self.last_log >= self.log_every_s or seen >= total:
             self.last_log = now
             get_run_logger().info("inference: %s", line)
 
@@ -159,6 +175,29 @@ class ProgressArtifact:
                 )
 
 
+def emit_at_risk(cfg: RunConfig, run_dir: str, deadline, slack_s: float, eta_s: float, rate: float, left: int) -> None:
+    """The Prefect event ``captionflow.run.sla-at-risk`` of this flow run: the projection and the rate."""
+    from prefect.events import emit_event
+
+    emit_event(
+        event=DEADLINE_EVENT,
+        resource={
+            "prefect.resource.id": f"captionflow.run.{flow_run.id or 'local'}",
+            "prefect.resource.name": flow_run.name or cfg.model,
+        },
+        payload={
+            "model": cfg.model,
+            "run_dir": run_dir,
+            "deadline": deadline.at.isoformat(),
+            "projected_late_s": round(-slack_s, 1),
+            "projected_late": human(slack_s),
+            "eta_s": round(eta_s, 1),
+            "rows_per_s": round(rate, 3),
+            "rows_left": left,
+        },
+    )
+
+
 def release_early_hold(task, task_run, state) -> None:
     """A hold on the warm engines that preflight took for this run and this stage did not use (its result was
     cached, or it failed before) goes back now, not when it lapses."""
@@ -183,7 +222,10 @@ def inference_task(cfg: RunConfig, manifest: Manifest, checked: PreflightResult)
     """Rows that still fail after every pass are counted (the next run's cache check sees them missing and
     tries them again); more than ``max_failure_rate`` of them fails the task and the run."""
     run = caption_run_parts(cfg, manifest, checked.model, checked.engine)
-    progress = ProgressArtifact(Store(cfg.output).path(*run))
+    folder = Store(cfg.output).path(*run)
+    deadline = for_run(cfg.deadline, cfg.deadline_margin_s, flow_run.scheduled_start_time)
+    at_risk = functools.partial(emit_at_risk, cfg, Store(cfg.output).url(*run), deadline) if deadline else None
+    progress = ProgressArtifact(folder, deadline=deadline, at_risk=at_risk)
     try:
         result = run_inference(cfg, manifest, checked.model, checked.engine, progress)
     except BaseException as e:

@@ -77,6 +77,13 @@ def publish_artifacts(summary: dict[str, Any]) -> None:
         table=summary.get("passes") or [{"attempt": "-", "sent": 0, "captioned": 0, "failed": 0}],
         description="inference passes: rows sent, captioned and failed in each (failed rows are retried alone)",
     )
+    due = summary.get("deadline")
+    if due:
+        create_markdown_artifact(
+            markdown=f"**Deadline** {due['deadline']}: {due['line']} (finished {due['finished_at']})",
+            key="deadline",
+            description="the run's deadline: met or missed",
+        )
     seq = (summary.get("metrics") or {}).get("sequential")
     if seq:
         create_markdown_artifact(

@@ -150,14 +150,16 @@ def test_deploy_installs_the_regression_and_failure_automations(prefect_api, tmp
 
     from captionflow.preflight import OptionError
     from deployments.deploy import (
+        BACKSTOP_AUTOMATION,
         FAILED_AUTOMATION,
         REGRESSED_AUTOMATION,
         RUN_FAILED_AUTOMATION,
         RUN_FAILED_EVENTS,
+        SLA_AUTOMATION,
         deploy,
     )
 
-    base = RunConfig(output=str(tmp_path / "out"), dataset="demo")
+    base = RunConfig(output=str(tmp_path / "out"), dataset="demo", deadline="8h")
     pool = f"pool-{uuid.uuid4().hex[:6]}"
     with pytest.raises(OptionError, match="no saved Prefect block 'custom-webhook/nobody'"):
         deploy(base, work_pool=pool, notify_block="custom-webhook/nobody")  # refused before anything is created
@@ -172,12 +174,18 @@ def test_deploy_installs_the_regression_and_failure_automations(prefect_api, tmp
             (REGRESSED_AUTOMATION, {"captionflow.checkpoint.regressed"}),
             (RUN_FAILED_AUTOMATION, RUN_FAILED_EVENTS),
             (FAILED_AUTOMATION, {"prefect.automation.action.failed"}),
+            (SLA_AUTOMATION, {"captionflow.run.sla-at-risk"}),
+            (BACKSTOP_AUTOMATION, {"prefect.flow-run.Completed"}),
         ):
             autos = client.read_automations_by_name(auto_name)
             assert len(autos) == 1 and str(autos[0].id) == ids[auto_name]
             assert autos[0].trigger.expect == expected
             assert autos[0].actions[0].type == "send-notification"
             assert autos[0].actions[0].block_document_id == block_id
+        backstop = client.read_automations_by_name(BACKSTOP_AUTOMATION)[0].trigger
+        # proactive: fires when a run that started Running is not Completed 8 h later (killed runs never report)
+        assert backstop.posture == "Proactive" and backstop.after == {"prefect.flow-run.Running"}
+        assert backstop.within.total_seconds() == 8 * 3600
         dep = client.read_deployment(ids["golden-nightly"])
         assert dep.concurrency_options is not None and dep.concurrency_options.collision_strategy == "ENQUEUE"
         # the run-failure trigger covers the event the server emits when a captionflow run fails (it was not

@@ -32,6 +32,21 @@ def _caption_rows(run_dir: str) -> list[str]:
     ]
 
 
+def _sla_events(flow_run_id: str) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all()
+    body = {
+        "filter": {
+            "event": {"name": ["captionflow.run.sla-at-risk"]},
+            "resource": {"id": [f"captionflow.run.{flow_run_id}"]},
+        }
+    }
+    with get_client(sync_client=True) as client:
+        return client.request("POST", "/events/filter", json={**body, "limit": 5}).json()["events"]
+
+
 def test_a_sequential_run_stops_once_sure_and_a_full_run_captions_the_rest(prefect_api, tmp_path):
     from flows.cli import main
 
@@ -71,8 +86,11 @@ def test_a_sequential_run_stops_once_sure_and_a_full_run_captions_the_rest(prefe
     assert sorted(_caption_rows(seq["run_dir"])) == sorted(captioned)
 
     # full-set mode on the same folder: the rest captioned, every image once, the captions made before kept
-    assert main([*run, str(tmp_path / "full.json"), "--verdict", "full"]) == 0
+    assert main([*run, str(tmp_path / "full.json"), "--verdict", "full", "--deadline", "1h"]) == 0
     full = json.loads((tmp_path / "full.json").read_text())
+    # a deadline it meets: the summary says by how much, and no sla-at-risk event
+    assert full["deadline"]["met"] and full["deadline"]["spare_s"] > 0 and "to spare" in full["deadline"]["line"]
+    assert not _sla_events(full["flow_run_id"])
     everything = _caption_rows(full["run_dir"])
     assert full["run_dir"] == seq["run_dir"] and full["resumed_from"] == len(captioned)
     assert len(everything) == N and len(set(everything)) == N and set(captioned) <= set(everything)
