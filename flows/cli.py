@@ -246,6 +246,39 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_PLAN_GPUS = 1024
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """How many GPUs caption --images by --deadline, from the measured rates (captionflow/pipeline/plan.py)."""
+    from captionflow.pipeline.deadline import duration_s, human
+    from captionflow.pipeline.plan import RESULTS, load_scaling, plan
+
+    seconds = duration_s(args.deadline)
+    if not seconds:
+        raise _UserError(f"plan: --deadline {args.deadline!r} is not a duration (8h, 90m, 1h30m, 45s, 2d)")
+    try:
+        p = plan(args.images, seconds, load_scaling(args.gpu, Path(args.results) if args.results else RESULTS))
+    except ValueError as e:
+        raise _UserError(str(e)) from None
+    if args.json:
+        print(json.dumps(p, indent=2, sort_keys=True))
+        return 0
+    print(
+        f"{p['images']:,} images by {args.deadline} on {p['device']} "
+        f"({p['rate_per_gpu']:.0f} images/s on one GPU, efficiency {p['efficiency']:.2f}, engines start in "
+        f"{p['start_s']:.0f} s; {p['source']})"
+    )
+    if p["gpus"] is None:
+        print(f"  not even {MAX_PLAN_GPUS} GPUs: split the set, or give more time")
+        return 1
+    print(
+        f"  {p['gpus']} GPU{'s' if p['gpus'] > 1 else ''} ({p['gpus'] * p['engines_per_gpu']} engines): projected "
+        f"{human(p['projected_s'])}, {human(p['spare_s'])} to spare"
+    )
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Start the warm engine service (foreground on a local Ray, detached on a cluster), or stop or show it."""
     import math
@@ -453,6 +486,13 @@ def main(argv: list[str] | None = None) -> int:
     lb.add_argument("--limit", type=int, default=50, help="at most this many rows")
     lb.add_argument("--json", action="store_true", help="the rows as JSON, every field")
     lb.set_defaults(func=cmd_leaderboard)
+    pl = sub.add_parser("plan", help="how many GPUs caption N images by a deadline, from the measured rates")
+    pl.add_argument("--images", type=int, required=True, help="images to caption")
+    pl.add_argument("--deadline", required=True, help="the time there is: 8h, 90m, 1h30m, 2d")
+    pl.add_argument("--gpu", help="the GPU kind measured (bench/results/gpu_scaling-<gpu>.json), e.g. h200")
+    pl.add_argument("--results", help="where the measurements are (default: the checkout's bench/results)")
+    pl.add_argument("--json", action="store_true", help="the answer as JSON")
+    pl.set_defaults(func=cmd_plan)
     st = sub.add_parser("status", help="deployments and their last runs, automations, warm engines, leaderboard head")
     st.add_argument("--output", default=RunConfig.model_fields["output"].default, help="the output root")
     st.add_argument("--runs", type=int, default=3, help="last runs shown per deployment")
