@@ -39,11 +39,23 @@ def quarantine_table(dataset_dir: str, reasons: dict[str, int]) -> list[dict[str
     return [{"reason": k, "count": n, "examples": " | ".join(examples.get(k, []))} for k, n in sorted(reasons.items())]
 
 
-def as_link(uri: str) -> str:
-    """A URL for a link artifact: a local path as file://, any other URI as it is."""
+REPORT_LINK_S = 7 * 24 * 3600  # how long a report's signed link works (S3's longest for a signed URL)
+
+
+def report_link(uri: str) -> tuple[str, str]:
+    """(URL, what it is) for the report's link artifact. A browser refuses file:// links from the Prefect UI ("Not
+    allowed to load local resource"), so a report on an object store gets a signed https link that opens from
+    the UI for ``REPORT_LINK_S`` (s3fs/gcsfs ``sign``); a local one keeps its file:// link, which works from a
+    file manager or a terminal on the worker's machine, and its text is in the caption-report artifact."""
     from pathlib import Path
 
-    return Path(uri).resolve().as_uri() if "://" not in uri else uri
+    if "://" not in uri or uri.startswith("file://"):
+        return Path(uri.removeprefix("file://")).resolve().as_uri(), "a local file on the worker: open it there"
+    fs, path = open_fs(uri)
+    try:
+        return fs.sign(path, expiration=REPORT_LINK_S), "a signed link, valid for 7 days"
+    except (NotImplementedError, AttributeError, ValueError, OSError):
+        return uri, "the report's URI on its store"
 
 
 def publish_artifacts(summary: dict[str, Any]) -> None:
@@ -96,12 +108,13 @@ def publish_artifacts(summary: dict[str, Any]) -> None:
         markdown=fs.cat_file(path).decode("utf-8"), key="caption-report", description="captionflow evaluation report"
     )
     if summary.get("report_html"):
+        link, how = report_link(summary["report_html"])
         create_link_artifact(
             key="caption-report-html",
-            link=as_link(summary["report_html"]),
+            link=link,
             link_text="report.html",
             description="the report to look at: thumbnails, captions, side by side with the compared checkpoint, "
-            "the chart across checkpoints (one self-contained file)",
+            f"the chart across checkpoints (one self-contained file); {how}",
         )
 
 

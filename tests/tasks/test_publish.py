@@ -140,3 +140,21 @@ def test_a_cached_rerun_reports_the_regression_without_alerting_again(prefect_ap
     _, found = _publish(RunConfig(model="step-2000", regression_threshold=0.1), summary)
     assert found and found["relative_drop"] == 0.5  # still in the summary
     assert _regression_events(summary["model_fingerprint"], wait_s=5) == []
+
+
+def test_a_report_on_s3_gets_a_signed_link_a_browser_opens(s3_bucket, tmp_path):
+    """The UI cannot open file:// links: a report on an object store is linked by a signed https/http URL that
+    fetches it without credentials (the tests' S3-compatible server); a local one keeps its file:// URI."""
+    import urllib.request
+
+    from captionflow.data.storage import open_fs
+    from tasks.publish import report_link
+
+    fs, path = open_fs(f"s3://{s3_bucket}/runs/x/report.html")
+    fs.pipe_file(path, b"<!doctype html><title>report</title>")
+    link, how = report_link(f"s3://{s3_bucket}/runs/x/report.html")
+    assert link.startswith("http") and "Signature" in link and "7 days" in how
+    with urllib.request.urlopen(link, timeout=10) as r:  # no credentials: the signature is the permission
+        assert r.read() == b"<!doctype html><title>report</title>"
+    local, how = report_link(str(tmp_path / "report.html"))
+    assert local == (tmp_path / "report.html").resolve().as_uri() and "local file" in how
