@@ -385,21 +385,53 @@ class _Lifeline:
     service): this says why first, in the run's log, so the run fails with the reason, never hangs."""
 
     def __init__(self) -> None:
+        from prefect.context import FlowRunContext
+
         info = json.loads(service_file().read_text())
         self.pid, self.started = int(info["pid"]), info.get("pid_started")
+        ctx = FlowRunContext.get()
+        self.flow_run_id = ctx.flow_run.id if ctx is not None and ctx.flow_run is not None else None
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="captionflow-service-lifeline", daemon=True)
 
     def _watch(self) -> None:
         while not self.stop.wait(1.0):
             if not alive(self.pid, self.started):
-                log.error(
-                    "the warm engine service (pid %d) stopped during the run, and its Ray with it: this run "
-                    "ends; the captions it committed are kept; run again to caption the rest (with no "
-                    "service running, a run starts engines of its own)",
-                    self.pid,
+                reason = (
+                    f"the warm engine service (pid {self.pid}) stopped during the run, and its Ray with it: this run "
+                    "ends; the captions it committed are kept; run again to caption the rest (with no service "
+                    "running, a run starts engines of its own)"
                 )
+                log.error(reason)
+                self._end_run(reason)
                 return
+
+    def _end_run(self, reason: str) -> None:
+        """Ray ends this process without any Python cleanup (its core worker's quick exit) once the service's GCS
+        has been gone for the reconnect timeout: the flow run would stay Running forever and the run's temporary
+        Prefect server would be orphaned. So it ends first, in order: the flow run Failed with the reason, the
+        temporary server (the CLI's, when no PREFECT_API_URL is set) stopped, one line, exit status 1."""
+        import sys
+
+        if self.flow_run_id is not None:
+            try:
+                from prefect.client.orchestration import get_client
+                from prefect.states import Failed
+
+                with get_client(sync_client=True) as client:
+                    client.set_flow_run_state(self.flow_run_id, Failed(message=reason), force=True)
+            except Exception as e:  # the exit below still happens: Ray would end the process anyway
+                log.warning("could not mark the flow run Failed: %s: %s", type(e).__name__, str(e)[:200])
+        try:
+            from prefect.server.api.server import SubprocessASGIServer
+
+            for server in list(SubprocessASGIServer._instances.values()):
+                server.stop()
+        except Exception as e:
+            log.warning("could not stop the temporary Prefect server: %s: %s", type(e).__name__, str(e)[:200])
+        print(f"captionflow: run failed: {reason}", file=sys.stderr, flush=True)
+        logging.shutdown()
+        os._exit(1)
 
     def __enter__(self) -> _Lifeline:
         self.thread.start()

@@ -74,6 +74,15 @@ def _captions(summary: dict) -> dict[str, dict]:
     return {r["image_id"]: r for r in pq.read_table(summary["run_dir"] + "/captions").to_pylist()}
 
 
+def _flow_run_failed_with(text: str) -> bool:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=20)
+    return any(r.state is not None and r.state.is_failed() and text in (r.state.message or "") for r in runs)
+
+
 def test_two_checkpoints_through_warm_engines_equal_cold_runs(env, tmp_path):
     from captionflow.builtin.model import build_builtin_model
     from captionflow.data.fingerprint import model_fingerprint
@@ -163,8 +172,12 @@ def test_a_run_whose_warm_engines_die_ends_with_the_reason_and_a_rerun_finishes_
     os.killpg(serve.pid, signal.SIGKILL)  # the service and its Ray, at once
     t0 = time.time()
     rc = run.wait(timeout=180)  # ends, within Ray's reconnect window: never hangs
-    assert rc != 0 and time.time() - t0 < 120
+    assert rc == 1 and time.time() - t0 < 120
     assert "warm engine service (pid" in log.read_text() and "stopped during the run" in log.read_text()
+    # ended by captionflow before Ray's quick exit: one captionflow line, and the flow run Failed with the reason
+    # (it stayed Running forever)
+    assert "captionflow: run failed: the warm engine service" in log.read_text()
+    assert _flow_run_failed_with("stopped during the run"), log.read_text()[-3000:]
     committed = [i for f in out.glob(pattern) for i in pq.read_table(f).column("image_id").to_pylist()]
 
     s = _run(env, *args, "--summary-json", str(tmp_path / "again.json"))  # no service now: its own engines
