@@ -79,6 +79,8 @@ def test_a_custom_run_setting_only_max_tokens_writes_to_the_deployments_root(wor
         assert run.state.is_completed(), (run.state.message, log.read_text()[-4000:])
         summary = run.state.result()
     assert summary["run_dir"].startswith(str(out))  # the deployment's output root, not the worker's checkout
+    # the summary itself is persisted under the output root (it was in the worker's PREFECT_HOME)
+    assert (out / ".prefect-cache" / run.state.data.storage_key.rsplit("/", 1)[-1]).is_file()
     assert _files(REPO / "captionflow-out") == before  # nothing written to, or changed in, the checkout's default
     from captionflow.data.storage import Store
     from captionflow.report.markdown import read_leaderboard
