@@ -37,3 +37,11 @@ class BaselineError(CaptionflowError, ValueError):
 class ClusterUnreachable(CaptionflowError, ConnectionError):
     """``ray_address`` (or ``RAY_ADDRESS``) names a Ray cluster that does not answer: a typo, or a head that is down.
     Not retried: Ray itself waited 13.7 min on such an address before failing, and Prefect then retried it."""
+
+
+class StorageFull(CaptionflowError, OSError):
+    """A write that found no space (ENOSPC, EDQUOT), naming the file it was writing: the OS's error names none.
+    Still an OSError with its errno, so the retry policy knows it is permanent."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)

@@ -7,6 +7,7 @@ exists is a finished one.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -19,6 +20,8 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
+
+from captionflow.errors import StorageFull
 
 
 def storage_options(uri: str) -> dict[str, Any]:
@@ -186,6 +189,10 @@ def write_atomically(fs: fsspec.AbstractFileSystem, path: str, fill) -> str:
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):  # "[Errno 28] No space left on device", and no path
+                raise StorageFull(e.errno, f"no space left to write {path} ({os.strerror(e.errno)})", path) from None
+            raise
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)

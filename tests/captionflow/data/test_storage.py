@@ -63,3 +63,34 @@ def test_s3_store_round_trip_without_credentials_in_its_options(s3_bucket):
     assert opts["config_kwargs"]["read_timeout"] > 0 and opts["config_kwargs"]["connect_timeout"] > 0
     fs, path = open_fs(f"s3://{s3_bucket}/root/a/b.json")
     assert fs.cat_file(path) == store.read_bytes("a", "b.json")
+
+
+def test_a_full_disk_names_the_file_and_stays_permanent(tmp_path):
+    """A real full filesystem (a 64 KiB tmpfs): the error names the file being written, is one line, leaves no
+    temporary file, and the retry policy still sees ENOSPC (never retried)."""
+    import errno
+    import subprocess
+
+    import pyarrow as pa
+    import pytest
+
+    from captionflow.data.storage import Store
+    from captionflow.errors import CaptionflowError, StorageFull
+    from tasks.policy import is_permanent
+
+    root = tmp_path / "tiny"
+    root.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(root)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        store = Store(str(root))
+        store.write_json({"small": 1}, "ok.json")  # what fits is written
+        big = pa.table({"b": [bytes(range(256)) * 1024] * 4})  # 1 MiB, uncompressible
+        with pytest.raises(StorageFull) as e:
+            store.write_table(big, "runs", "part-1.parquet")
+        assert str(e.value) == f"no space left to write {root}/runs/part-1.parquet (No space left on device)"
+        assert isinstance(e.value, CaptionflowError) and e.value.errno == errno.ENOSPC and is_permanent(e.value)
+        assert sorted(p.name for p in (root / "runs").iterdir()) == []  # no partial or temporary file
+        assert (root / "ok.json").read_text()  # data already written stays
+    finally:
+        subprocess.run(["umount", str(root)], check=False)
