@@ -113,6 +113,7 @@ def _take() -> tuple[Any, Any] | None:
 
 def _wait_for_core(receive) -> None:
     """The prestarted process: import what the core runs, wait for the work, run it as a spawned core would."""
+    _end_with_parent(os.getppid())
     import vllm.v1.engine.core  # noqa: F401  - what ~25 s of the core's start-up went to
 
     if not receive.poll(IDLE_EXIT_S):
@@ -127,6 +128,27 @@ def _wait_for_core(receive) -> None:
     multiprocessing.current_process().name = name
     _before_core(kwargs.get("vllm_config"))
     target(*args, **kwargs)
+
+
+def _end_with_parent(parent: int, every_s: float = 1.0) -> None:
+    """End this process (and its vLLM workers) within ``every_s`` of its engine actor's: a core whose actor was
+    killed (SIGKILL, a node's Ray ended, a cancelled run) was re-parented and lived on, ~1.3 GB with its worker,
+    for as long as it was watched (17 min)."""
+
+    def watch() -> None:
+        import time
+
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        try:
+            import psutil
+
+            for child in psutil.Process().children(recursive=True):
+                child.kill()
+        finally:
+            os._exit(1)
+
+    threading.Thread(target=watch, name="captionflow-core-parent-watch", daemon=True).start()
 
 
 def _before_core(vllm_config) -> None:

@@ -23,6 +23,18 @@ def _events(client, deadline_iso: str) -> list[dict]:
     return [e for e in found if e["payload"].get("deadline") == deadline_iso]
 
 
+def _engine_processes(since: float) -> list[str]:
+    """vLLM engine cores and workers started after ``since`` that still run."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid", "name", "cmdline", "create_time"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if p.info["create_time"] >= since and ("VLLM::" in cmd or "spawn_main" in cmd):
+            found.append(f"{p.info['pid']} {cmd[:80]}")
+    return found
+
+
 def test_a_run_projected_past_its_deadline_emits_sla_at_risk_once_before_the_deadline(prefect_api, tmp_path):
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
     from prefect.client.orchestration import get_client
@@ -41,6 +53,7 @@ def test_a_run_projected_past_its_deadline_emits_sla_at_risk_once_before_the_dea
     args += ["--warm-engines", "off"]
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
     log = tmp_path / "run.log"
+    started = time.time()
     out = open(log, "w")  # noqa: SIM115 - the run's output, read as it grows
     run = subprocess.Popen([*CLI, *args], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -52,8 +65,13 @@ def test_a_run_projected_past_its_deadline_emits_sla_at_risk_once_before_the_dea
             found = _events(client, due.isoformat())
             assert run.poll() is None, log.read_text()[-3000:]
     finally:
-        os.killpg(run.pid, signal.SIGKILL)  # the run and its Ray: its outcome is not what is tested here
+        os.killpg(run.pid, signal.SIGKILL)  # the run and its Ray, at once
         run.wait(timeout=60)
+    # the engine core and its vLLM worker end with their engine actor (they lived on, ~1.3 GB, re-parented)
+    gone = time.monotonic() + 60
+    while left := _engine_processes(since=started):
+        assert time.monotonic() < gone, left
+        time.sleep(1)
     assert len(found) == 1, found
     event = found[0]
     p = event["payload"]
