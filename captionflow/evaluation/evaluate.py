@@ -11,7 +11,7 @@ from captionflow.data.layout import CAPTIONS, SCORES, shard_paths
 from captionflow.data.storage import Store
 from captionflow.evaluation.caption_health import caption_health
 from captionflow.evaluation.metrics import caption_words, length_stats, reference_metrics
-from captionflow.evaluation.pairwise_scores import pairwise_per_image
+from captionflow.evaluation.pairwise_scores import length_bias, pairwise_per_image, score_by_length
 from captionflow.evaluation.significance import PER_IMAGE, paired_bootstrap
 from captionflow.evaluation.slices import slice_metrics, slices_of
 from captionflow.report.html import chart_png, render_html, side_by_side, thumbnails
@@ -62,10 +62,17 @@ def evaluate(
     if clip:
         metrics["clip"] = clip.headline()
         clipped = clip_per_image(clip.clip_dir)
+    if judge and judged:  # the judge's length preference beside its score
+        metrics["judge"]["length"] = score_by_length(captions, {i: r.get("score") for i, r in judged.items()})
     paired: dict[str, float] = {}
     if pairwise:
         metrics["pairwise"] = pairwise.headline()
         paired = pairwise_per_image(pairwise.pairwise_dir) if pairwise.pairwise_dir else {}
+        if paired and pairwise.baseline_run_dir:  # both sides' lengths, and the win rate by length difference
+            theirs_t = Store(pairwise.baseline_run_dir)
+            t = theirs_t.read_unique(theirs_t.ls(CAPTIONS, suffix=".parquet"), columns=["image_id", "caption"])
+            theirs = dict(zip(t["image_id"].to_pylist(), t["caption"].to_pylist())) if t is not None else {}
+            metrics["pairwise"]["length_bias"] = length_bias(captions, theirs, paired)
     scores = pa.Table.from_pylist(
         [
             {

@@ -240,8 +240,21 @@ def render_html(
             f"[{st['ci_low']:.3f}, {st['ci_high']:.3f}]</td></tr>",
             f"<tr><td>verdict</td><td><b>{_e(st['verdict'])}</b></td></tr>",
             f"<tr><td>won / split or tied / lost</td><td>{p['wins']} / {p['ties']} / {p['losses']}</td></tr>",
-            f"<tr><td>both orders agreed</td>{_num(p['consistency'], '{:.0%}')}</tr></table>",
+            f"<tr><td>both orders agreed</td>{_num(p['consistency'], '{:.0%}')}</tr>",
         ]
+        lb = p.get("length_bias")
+        if lb:
+            out.append(
+                f"<tr><td>caption length (words): this / baseline</td><td class='num'>{lb['mean_words']:.1f} / "
+                f"{lb['baseline_mean_words']:.1f}</td></tr>"
+            )
+            for name, g in lb["win_rate_by_length"].items():
+                if g["win_rate"] is not None:
+                    out.append(
+                        f"<tr><td>win rate where this caption is {_e(name)}</td><td class='num'>"
+                        f"{g['win_rate']:.3f} ({g['images']} images)</td></tr>"
+                    )
+        out.append("</table>")
     if chart:
         out += [
             "<h2>Across checkpoints (this dataset, these generation settings)</h2>",

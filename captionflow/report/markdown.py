@@ -201,7 +201,27 @@ def pairwise_lines(p: dict) -> list[str]:
             f"- **win rate {st['win_rate']:.3f}** (95% interval [{st['ci_low']:.3f}, {st['ci_high']:.3f}], "
             f"p {st['p_value']:.3f} against 0.5): **{st['verdict']}**"
         )
+    lb = p.get("length_bias")
+    if lb:
+        lines.append(
+            f"- caption length: {lb['mean_words']:.1f} words against the baseline's {lb['baseline_mean_words']:.1f}"
+            " (judges prefer longer captions)"
+        )
+        lines += length_lines(lb["win_rate_by_length"], "win rate", "this caption ")
     return [*lines, ""]
+
+
+def length_lines(groups: dict | None, what: str, prefix: str = "") -> list[str]:
+    """``what`` by caption length (evaluation/pairwise_scores.length_bias, score_by_length) as a list line."""
+    if not groups:
+        return []
+    parts = [
+        f"{prefix}{name}: {g.get('win_rate', g.get('mean_score')):.3f} ({g.get('images', g.get('mean_words'))}"
+        + (" images)" if "images" in g else " words)")
+        for name, g in groups.items()
+        if g.get("win_rate", g.get("mean_score")) is not None
+    ]
+    return [f"- {what} by length: " + "; ".join(parts)] if parts else []
 
 
 def render_report(
@@ -260,6 +280,7 @@ def render_report(
             f"answers parsed {j['parse_rate']:.0%}",
             f"- mean score: {j['mean_score']:.2f}" if j["mean_score"] is not None else "- mean score: n/a",
             "- distribution: " + ", ".join(f"{k}: {v}" for k, v in j["distribution"].items()),
+            *length_lines((j.get("length") or {}).get("mean_score_by_length"), "mean score"),
             "",
         ]
     if metrics.get("slices"):

@@ -135,6 +135,9 @@ def test_judge_answers_always_parse(demo_run):
     assert 1.0 <= j["mean_score"] <= 5.0 and sum(j["distribution"].values()) == j["judged"]
     scores = pq.read_table(f"{s['run_dir']}/scores.parquet").to_pylist()
     assert all(r["judge_score"] in {1, 2, 3, 4, 5} for r in scores)
+    thirds = j["length"]["mean_score_by_length"]  # the judge's score beside caption length
+    assert list(thirds) == ["shortest third", "middle third", "longest third"]
+    assert thirds["shortest third"]["mean_words"] <= thirds["longest third"]["mean_words"]
 
 
 def test_report_and_leaderboard_written(demo_run):
@@ -209,6 +212,10 @@ def test_second_checkpoint_compared_on_leaderboard(demo_run, tmp_path_factory, c
     per_image = [r["pairwise_score"] for r in pq.read_table(f"{second['run_dir']}/scores.parquet").to_pylist()]
     assert set(per_image) <= {0.0, 0.5, 1.0} and sum(per_image) / n == pytest.approx(st["win_rate"])
     assert "Pairwise judge against" in report
+    lb = p["length_bias"]  # both sides' lengths and the win rate by length difference, next to the verdict
+    assert lb["mean_words"] > 0 and lb["baseline_mean_words"] > 0
+    assert sum(g["images"] for g in lb["win_rate_by_length"].values()) == n
+    assert "win rate by length" in report
     page = Path(second["report_html"])
     assert page.parent == Path(second["run_dir"]) and (page.parent / "chart.png").exists()
     dom = DomCounts(rendered_dom(page, tmp_path_factory.mktemp("browser")))
