@@ -11,6 +11,8 @@ import sys
 import time
 from datetime import UTC, datetime, timedelta
 
+from processes import wait_engines_gone
+
 from captionflow.builtin.synthetic import make_images
 
 CLI = [sys.executable, "-m", "flows.cli"]
@@ -21,18 +23,6 @@ def _events(client, deadline_iso: str) -> list[dict]:
     body = {"filter": {"event": {"name": [EVENT]}}, "limit": 50}
     found = client.request("POST", "/events/filter", json=body).json()["events"]
     return [e for e in found if e["payload"].get("deadline") == deadline_iso]
-
-
-def _engine_processes(since: float) -> list[str]:
-    """vLLM engine cores and workers started after ``since`` that still run."""
-    import psutil
-
-    found = []
-    for p in psutil.process_iter(["pid", "name", "cmdline", "create_time"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if p.info["create_time"] >= since and ("VLLM::" in cmd or "spawn_main" in cmd):
-            found.append(f"{p.info['pid']} {cmd[:80]}")
-    return found
 
 
 def test_a_run_projected_past_its_deadline_emits_sla_at_risk_once_before_the_deadline(prefect_api, tmp_path):
@@ -68,10 +58,7 @@ def test_a_run_projected_past_its_deadline_emits_sla_at_risk_once_before_the_dea
         os.killpg(run.pid, signal.SIGKILL)  # the run and its Ray, at once
         run.wait(timeout=60)
     # the engine core and its vLLM worker end with their engine actor (they lived on, ~1.3 GB, re-parented)
-    gone = time.monotonic() + 60
-    while left := _engine_processes(since=started):
-        assert time.monotonic() < gone, left
-        time.sleep(1)
+    wait_engines_gone(since=started, timeout_s=60)
     assert len(found) == 1, found
     event = found[0]
     p = event["payload"]

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from processes import wait_engines_gone
 
 from captionflow.config import RunConfig
 
@@ -117,6 +118,7 @@ def test_a_cancelled_run_ends_cancelled_without_passing_through_crashed(worker_p
     from prefect.states import Cancelling
 
     ids, _, log = worker_pool
+    started = time.time()
     with get_client(sync_client=True) as client:
         # a new generation setting: inference runs (not cached), so the run is cancelled mid-work
         run = client.create_flow_run_from_deployment(uuid.UUID(ids["golden-nightly"]), parameters={"max_tokens": 12})
@@ -127,3 +129,5 @@ def test_a_cancelled_run_ends_cancelled_without_passing_through_crashed(worker_p
         history = _history(client, run.id)
     assert run.state.is_cancelled(), history
     assert "Crashed" not in history, history
+    # its engine processes end with it (a VLLM::Worker, ~900 MB, outlived the Cancelled run by 50-90 s)
+    wait_engines_gone(since=started, timeout_s=30)
