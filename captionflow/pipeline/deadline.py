@@ -46,7 +46,11 @@ def parse(text: str, start: datetime) -> datetime:
 
 
 def _utc(t: datetime) -> datetime:
-    return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
+    """``t`` as a plain datetime in UTC (no zone: UTC); Prefect's start times come as pendulum DateTimes, whose
+    arithmetic with a plain datetime refused to mix them."""
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=UTC)
+    return datetime.fromtimestamp(t.timestamp(), UTC)
 
 
 def human(seconds: float) -> str:
