@@ -169,38 +169,29 @@ def ensure_automations(block_id, deadline: str | None = None) -> dict[str, str]:
     from captionflow.pipeline.deadline import EVENT as AT_RISK
     from captionflow.pipeline.deadline import duration_s
 
+    def on(expect: set[str], resource: dict, related: dict | None = None) -> EventTrigger:
+        """Fires on each event of ``expect`` whose resource matches ``resource`` (and a related one ``related``)."""
+        return EventTrigger(
+            expect=expect, match=resource, match_related=related or {}, posture=Posture.Reactive, threshold=1
+        )
+
+    flows = {"prefect.resource.role": "flow", "prefect.resource.name": list(FLOWS)}
     wanted = {
         REGRESSED_AUTOMATION: (
-            EventTrigger(
-                expect={REGRESSED},
-                match={"prefect.resource.id": "captionflow.checkpoint.*"},
-                posture=Posture.Reactive,
-                threshold=1,
-            ),
+            on({REGRESSED}, {"prefect.resource.id": "captionflow.checkpoint.*"}),
             "captionflow: {{ event.payload.model }} regressed",
             "{{ event.payload.metric }} {{ event.payload.value }} is below the best comparable run's "
             "{{ event.payload.best_value }} ({{ event.payload.best_model }}) by {{ event.payload.relative_drop }} "
             "(threshold {{ event.payload.threshold }}). Run: {{ event.payload.run_dir }}",
         ),
         RUN_FAILED_AUTOMATION: (
-            EventTrigger(
-                expect=RUN_FAILED_EVENTS,
-                match={"prefect.resource.id": "prefect.flow-run.*"},
-                match_related={"prefect.resource.role": "flow", "prefect.resource.name": list(FLOWS)},
-                posture=Posture.Reactive,
-                threshold=1,
-            ),
+            on(RUN_FAILED_EVENTS, {"prefect.resource.id": "prefect.flow-run.*"}, flows),
             "captionflow: {{ flow.name }} run {{ flow_run.name }} {{ flow_run.state.name }}",
             "Flow run {{ flow_run.name }} of {{ deployment.name }} ended {{ flow_run.state.name }}: "
             "{{ flow_run.state.message }}",
         ),
         SLA_AUTOMATION: (
-            EventTrigger(
-                expect={AT_RISK},
-                match={"prefect.resource.id": "captionflow.run.*"},
-                posture=Posture.Reactive,
-                threshold=1,
-            ),
+            on({AT_RISK}, {"prefect.resource.id": "captionflow.run.*"}),
             "captionflow: {{ event.resource.name }} is projected {{ event.payload.projected_late }} late",
             "{{ event.payload.model }}: deadline {{ event.payload.deadline }}, projected "
             "{{ event.payload.projected_late }} late at {{ event.payload.rows_per_s }} rows/s with "
@@ -208,12 +199,7 @@ def ensure_automations(block_id, deadline: str | None = None) -> dict[str, str]:
             "Run: {{ event.payload.run_dir }}",
         ),
         FAILED_AUTOMATION: (
-            EventTrigger(
-                expect={"prefect.automation.action.failed"},
-                match={"prefect.resource.name": "captionflow: *"},
-                posture=Posture.Reactive,
-                threshold=1,
-            ),
+            on({"prefect.automation.action.failed"}, {"prefect.resource.name": "captionflow: *"}),
             "captionflow: an automation action failed",
             "{{ event.resource.name }}: {{ event.payload.reason }}",
         ),
@@ -226,7 +212,7 @@ def ensure_automations(block_id, deadline: str | None = None) -> dict[str, str]:
                 expect={"prefect.flow-run.Completed"},
                 for_each={"prefect.resource.id"},
                 match={"prefect.resource.id": "prefect.flow-run.*"},
-                match_related={"prefect.resource.role": "flow", "prefect.resource.name": list(FLOWS)},
+                match_related=flows,
                 posture=Posture.Proactive,
                 threshold=1,
                 within=timedelta(seconds=within),

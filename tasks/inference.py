@@ -222,10 +222,10 @@ def inference_task(cfg: RunConfig, manifest: Manifest, checked: PreflightResult)
     """Rows that still fail after every pass are counted (the next run's cache check sees them missing and
     tries them again); more than ``max_failure_rate`` of them fails the task and the run."""
     run = caption_run_parts(cfg, manifest, checked.model, checked.engine)
-    folder = Store(cfg.output).path(*run)
+    store = Store(cfg.output)
     deadline = for_run(cfg.deadline, cfg.deadline_margin_s, flow_run.scheduled_start_time)
-    at_risk = functools.partial(emit_at_risk, cfg, Store(cfg.output).url(*run), deadline) if deadline else None
-    progress = ProgressArtifact(folder, deadline=deadline, at_risk=at_risk)
+    at_risk = functools.partial(emit_at_risk, cfg, store.url(*run), deadline) if deadline else None
+    progress = ProgressArtifact(store.path(*run), deadline=deadline, at_risk=at_risk)
     try:
         result = run_inference(cfg, manifest, checked.model, checked.engine, progress)
     except BaseException as e:

@@ -71,3 +71,9 @@ def missing_rows(store, base: tuple[str, ...], kind: str, wanted: set[str]) -> O
 def missing_files(store, base: tuple[str, ...], names: tuple[str, ...]) -> Optional[str]:
     gone = [n for n in names if not store.exists(*base, n)]
     return f"{', '.join(gone)} missing in {store.url(*base)}" if gone else None
+
+
+def read_captions(store, run: tuple[str, ...]) -> dict[str, str]:
+    """image id -> caption, of the captions committed under a run folder (each image once)."""
+    t = store.read_unique(store.ls(*run, CAPTIONS, suffix=".parquet"), columns=["image_id", "caption"])
+    return dict(zip(t["image_id"].to_pylist(), t["caption"].to_pylist())) if t is not None else {}

@@ -7,7 +7,7 @@ from typing import Optional
 
 import pyarrow as pa
 
-from captionflow.data.layout import CAPTIONS, SCORES, shard_paths
+from captionflow.data.layout import CAPTIONS, SCORES, read_captions, shard_paths
 from captionflow.data.storage import Store
 from captionflow.evaluation.caption_health import caption_health
 from captionflow.evaluation.metrics import caption_words, length_stats, reference_metrics
@@ -69,9 +69,7 @@ def evaluate(
         metrics["pairwise"] = pairwise.headline()
         paired = pairwise_per_image(pairwise.pairwise_dir) if pairwise.pairwise_dir else {}
         if paired and pairwise.baseline_run_dir:  # both sides' lengths, and the win rate by length difference
-            theirs_t = Store(pairwise.baseline_run_dir)
-            t = theirs_t.read_unique(theirs_t.ls(CAPTIONS, suffix=".parquet"), columns=["image_id", "caption"])
-            theirs = dict(zip(t["image_id"].to_pylist(), t["caption"].to_pylist())) if t is not None else {}
+            theirs = read_captions(Store(pairwise.baseline_run_dir), ())
             metrics["pairwise"]["length_bias"] = length_bias(captions, theirs, paired)
     scores = pa.Table.from_pylist(
         [

@@ -12,12 +12,12 @@ from __future__ import annotations
 import time
 
 from captionflow.config import RunConfig
-from captionflow.data.layout import SCORES, shard_paths
+from captionflow.data.layout import SCORES, read_captions, shard_paths
 from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
 from captionflow.model_source import ClipModel
 from captionflow.pipeline.engine import EngineSettings
-from captionflow.pipeline.ledger import Ledger, read_captions, run_passes
+from captionflow.pipeline.ledger import Ledger, run_passes
 from captionflow.pipeline.processor import read_pending
 from captionflow.pipeline.session import ray_session
 from captionflow.results import ClipResult, InferenceResult, Manifest

@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 
 from captionflow.config import RunConfig
 from captionflow.data.fingerprint import generation_fingerprint
-from captionflow.data.layout import CAPTIONS, run_parts, shard_paths
+from captionflow.data.layout import CAPTIONS, read_captions, run_parts, shard_paths
 from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
 from captionflow.errors import BaselineError, DatasetError, RowsFailed
@@ -29,7 +29,7 @@ from captionflow.evaluation.cider import FixedIdfCider
 from captionflow.evaluation.sequential import PrefixVerdict, seeded_order, verdict_line
 from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.engine import EngineSettings
-from captionflow.pipeline.ledger import Ledger, Progress, read_captions, run_passes
+from captionflow.pipeline.ledger import Ledger, Progress, run_passes
 from captionflow.pipeline.pairwise import resolve_baseline
 from captionflow.pipeline.processor import build_vlm_processor, fitted_folder, map_task_kwargs, read_pending
 from captionflow.pipeline.request_format import image_prompt

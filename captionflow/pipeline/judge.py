@@ -16,12 +16,12 @@ from typing import Optional
 
 from captionflow.config import RunConfig
 from captionflow.data.fingerprint import digest
-from captionflow.data.layout import FAILURES, SCORES, judge_parts, shard_paths
+from captionflow.data.layout import FAILURES, SCORES, judge_parts, read_captions, shard_paths
 from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
 from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.engine import EngineSettings
-from captionflow.pipeline.ledger import Ledger, read_captions, run_passes
+from captionflow.pipeline.ledger import Ledger, run_passes
 from captionflow.pipeline.processor import build_vlm_processor, fitted_folder, map_task_kwargs, read_pending
 from captionflow.pipeline.request_format import image_prompt
 from captionflow.pipeline.session import ray_session

@@ -21,7 +21,7 @@ from typing import Optional
 
 import pyarrow as pa
 
-from captionflow.data.layout import CAPTIONS, FAILURES
+from captionflow.data.layout import FAILURES
 from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
 from captionflow.errors import CaptionflowError, EngineFailed
@@ -204,9 +204,3 @@ def run_passes(
         if ledger.stopped:
             break
     return passes
-
-
-def read_captions(store: Store, run: tuple[str, ...]) -> dict[str, str]:
-    """image id -> caption, of the captions committed under a run folder (each image once)."""
-    t = store.read_unique(store.ls(*run, CAPTIONS, suffix=".parquet"), columns=["image_id", "caption"])
-    return dict(zip(t["image_id"].to_pylist(), t["caption"].to_pylist())) if t is not None else {}

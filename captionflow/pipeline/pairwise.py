@@ -17,7 +17,7 @@ from typing import Optional
 
 from captionflow.config import RunConfig
 from captionflow.data.fingerprint import digest
-from captionflow.data.layout import CAPTIONS, SCORES
+from captionflow.data.layout import CAPTIONS, SCORES, read_captions
 from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
 from captionflow.errors import BaselineError
@@ -26,7 +26,7 @@ from captionflow.evaluation.significance import win_rate
 from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.judge import judge_passes, parse_rate
-from captionflow.pipeline.ledger import Ledger, read_captions
+from captionflow.pipeline.ledger import Ledger
 from captionflow.report.markdown import read_leaderboard
 from captionflow.results import InferenceResult, Manifest, PairwiseResult
 from captionflow.workers.llm_rows import (
