@@ -83,6 +83,11 @@ def _parallel(a: argparse.Namespace, gpus: int, work: Path) -> dict:
     """A golden set preprocessed by a first run (checkpoint ``gpus + 1``), then checkpoint 0 alone on one GPU, then
     checkpoints 1..gpus at once on every GPU: every measured run evaluates a checkpoint the set has not seen."""
     images, model = work / "throughput" / "images", a.model or _standin(work)
+    if not (images.is_dir() and len(list(images.iterdir())) == a.n):  # no scaling run made them (--skip-scaling)
+        from captionflow.builtin.synthetic import make_images
+
+        shutil.rmtree(images, ignore_errors=True)
+        make_images(images, a.n)
     ckpts = [random_checkpoint(model, work / f"checkpoint-{seed}", seed, "cuda") for seed in range(gpus + 2)]
     root = work / "out-parallel"
     shutil.rmtree(root, ignore_errors=True)
@@ -138,6 +143,7 @@ def main() -> int:
     ap.add_argument("--work", help="working folder (default: a new temporary one)")
     ap.add_argument("--json", help="results file (default bench/results/gpu_scaling-<gpu>.json)")
     ap.add_argument("--skip-parallel", action="store_true")
+    ap.add_argument("--skip-scaling", action="store_true", help="only the parallel checkpoints, on the largest G")
     a, extra = ap.parse_known_args()
     host_gpus = local_gpus()
     if not host_gpus:
@@ -158,7 +164,7 @@ def main() -> int:
         "max_pixels": a.max_pixels,
         "scaling": [],
     }
-    for g in counts:  # written after each G: a G that fails or hangs keeps the others
+    for g in [] if a.skip_scaling else counts:  # written after each G: a G that fails or hangs keeps the others
         res["scaling"].append(_stage_rate(a, g, work, extra))
         base = next((s.get("images_per_s") for s in res["scaling"] if s["gpus"] == 1), None)
         for s in res["scaling"]:

@@ -20,15 +20,34 @@ from bench.throughput.measure import ROOT, GpuSampler, commit_times, engine_stat
 
 # ---------------------------------------------------------------- the verdict: run start -> leaderboard row
 def _verdict_images(a: argparse.Namespace) -> str:
-    """The first ``--verdict-n`` images of the bench's folder, hard-linked into a folder of their own."""
+    """The first ``--verdict-n`` images of the bench's folder, hard-linked into a folder of their own, with
+    reference captions (``captions.jsonl``, ``references``) for the sequential verdict's CIDEr-D."""
     folder = Path(a.work) / f"images-{a.verdict_n}"
-    files = sorted(Path(a.images).iterdir())[: a.verdict_n]
-    if not (folder.is_dir() and len(list(folder.iterdir())) == len(files)):
+    files = sorted(f for f in Path(a.images).iterdir() if f.suffix != ".jsonl")[: a.verdict_n]
+    if not (folder.is_dir() and len(list(folder.glob("*.jpg"))) == len(files)):
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         for f in files:
             os.link(f, folder / f.name)
+    refs = "".join(json.dumps({"file_name": f.name, "captions": references(i)}) + "\n" for i, f in enumerate(files))
+    (folder / "captions.jsonl").write_text(refs)
     return str(folder)
+
+
+WORDS = (
+    ["red", "blue", "green", "yellow", "black", "white", "brown", "grey"],
+    ["dog", "cat", "horse", "bird", "car", "bus", "bicycle", "boat", "kite", "train"],
+    ["stands", "sits", "runs", "waits", "rests", "lies", "plays", "parks"],
+    ["grass", "road", "beach", "field", "street", "park", "snow", "lake"],
+)
+
+
+def references(i: int) -> list[str]:
+    """Three reference captions of image ``i``, from a few templates (seeded by ``i``)."""
+    import random
+
+    c, t, v, p = (random.Random(i * 4 + k).choice(w) for k, w in enumerate(WORDS))
+    return [f"a {c} {t} {v} on the {p}", f"the {c} {t} {v} near the {p}", f"a {t} that {v} by the {p}"]
 
 
 def _checkpoints(a: argparse.Namespace) -> list[str]:
@@ -54,10 +73,15 @@ def random_checkpoint(model: str, out: Path, seed: int, device: str) -> str:
     return str(out)
 
 
-def _flow_timed(a, name: str, images: str, model: str, engine_kwargs: str, env: dict, root="out-verdict") -> dict:
+def _flow_timed(
+    a, name: str, images: str, model: str, engine_kwargs: str, env: dict, root="out-verdict", extra=()
+) -> dict:
+    """``captionflow run`` of ``model`` (``extra``: more options), timed: to its first and last caption and to its
+    leaderboard row (the verdict), with its log's timeline."""
     out = Path(a.work) / root  # the golden set's output root: preprocessed by the first phase
     summary = Path(a.work) / f"verdict-{name}-summary.json"
     cmd = flow_command(a, images, out, model, summary, engine_kwargs) + ["--compile-cache-dir", env["CF_BENCH_CC"]]
+    cmd += list(extra)
     log = Path(a.work) / f"phase-verdict-{name}.log"
     if os.environ.get("CF_BENCH_PYSPY") and re.search(os.environ.get("CF_BENCH_PYSPY_RUNS", ""), name):
         # py-spy of the run's driver (wall clock, idle threads too), samples in order; CF_BENCH_PYSPY_RUNS: of the
@@ -91,9 +115,41 @@ def _flow_timed(a, name: str, images: str, model: str, engine_kwargs: str, env: 
         "run_dir": s["run_dir"],
         "leaderboard_row": str(row),
     }
+    seq = (s.get("metrics") or {}).get("sequential")
+    if seq:  # the sequential verdict: what it decided, on how many images of the order's prefix
+        keep = ("decision", "images_used", "images_total", "alpha", "lower", "upper", "score", "against")
+        res["sequential"] = {k: seq.get(k) for k in keep}
     if a.engine_stats:  # each engine's running and waiting requests, second by second, over the run
         res["engine_seconds"] = engine_seconds(t0, t1)
     return res
+
+
+def _sequential(a, res: dict, got: dict, images: str, ckpt: str, kwargs: str, env: dict, root: str) -> dict:
+    """The sequential verdict through the warm engines: checkpoint ``ckpt`` (swapped in) against a baseline whose
+    captions are the golden set's first references (external captions, ``captionflow evaluate``), a difference
+    planted so large that the verdict is sure long before the set ends. ``ckpt``'s captions of the set go first."""
+    repeats = got.get("warm_engines_repeats") or []
+    for earlier in (res.get("warm_cache") or {}, *repeats[0::2]):  # B's runs: warm_cache, the odd repeats
+        if earlier.get("run_dir"):
+            shutil.rmtree(earlier["run_dir"], ignore_errors=True)
+            Path(earlier["leaderboard_row"]).unlink(missing_ok=True)
+    rows = [json.loads(x) for x in Path(images, "captions.jsonl").read_text().splitlines()]
+    teacher = Path(a.work) / "teacher.jsonl"
+    teacher.write_text(
+        "".join(json.dumps({"file_name": r["file_name"], "caption": r["captions"][0]}) + "\n" for r in rows)
+    )
+    summary = Path(a.work) / "verdict-teacher-summary.json"
+    cmd = [sys.executable, "-m", "flows.cli", "evaluate", str(teacher), "--name", "teacher", "--dataset", images]
+    cmd += ["--output", str(Path(a.work) / root), "--summary-json", str(summary)]
+    cmd += ["--max-image-side", str(a.max_image_side)]  # the golden set as the runs preprocess it: the same dataset
+    log = Path(a.work) / "phase-verdict-teacher.log"
+    with open(log, "w") as fh:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=a.phase_timeout)
+    if proc.returncode != 0:
+        return {"error": f"teacher: exit {proc.returncode}", "log_tail": log.read_text(errors="replace")[-4000:]}
+    baseline = json.loads(summary.read_text())["run_dir"]
+    seq = ["--verdict", "sequential", "--verdict-against", baseline]
+    return _flow_timed(a, "warm-sequential", images, ckpt, kwargs, env, root, seq)
 
 
 def per_second(stamps: list[tuple[float, int]], t0: float) -> list[int]:
@@ -305,6 +361,8 @@ def _verdict(a: argparse.Namespace, sampler: GpuSampler, prefect_env: dict) -> d
         "warm_cache_s": res.get("warm_cache", {}).get("leaderboard_row_after_s"),
         "warm_engines_s": res.get("warm_engines", {}).get("leaderboard_row_after_s"),
         "warm_engines_repeats_s": [r.get("leaderboard_row_after_s") for r in res.get("warm_engines_repeats", [])],
+        "warm_sequential_s": res.get("warm_sequential", {}).get("leaderboard_row_after_s"),
+        "warm_sequential_images_used": (res.get("warm_sequential", {}).get("sequential") or {}).get("images_used"),
         "raw_wall_s": raw.get("wall_s"),
         "exit_s": {k: res[k].get("verdict_s") for k in ("cold", "warm_cache", "warm_engines") if k in res},
     }
@@ -327,7 +385,13 @@ def _warm_engines(a, res: dict, images: str, ckpt_a: str, ckpt_c: str, kwargs: s
         lkwargs = json.dumps({**json.loads(kwargs), **layout.get("engine_kwargs", {})})
         got = _warm_layout(la, res, images, ckpt_a, ckpt_c, lkwargs, env, cc, suffix="" if i == 0 else f"-{i}")
         if i == 0:
-            keep = ("service_start_s", "warm_engines", "warm_engines_a_first", "warm_engines_repeats")
+            keep = (
+                "service_start_s",
+                "warm_engines",
+                "warm_engines_a_first",
+                "warm_engines_repeats",
+                "warm_sequential",
+            )
             res.update({k: got[k] for k in keep if k in got})
         if a.warm_layouts:
             res.setdefault("warm_layouts", []).append({"layout": layout, **got})
@@ -371,6 +435,9 @@ def _warm_layout(a, res: dict, images: str, ckpt_a: str, ckpt_c: str, kwargs: st
                 ckpt = res["checkpoints"][1] if r % 2 else ckpt_c
                 last = _flow_timed(a, f"warm-engines{suffix}-r{r}", images, ckpt, kwargs, env, root)
                 got.setdefault("warm_engines_repeats", []).append(last)
+                (Path(a.work) / "verdict-partial.json").write_text(json.dumps({**res, **got}, indent=2))
+            if "warm_sequential" in a.verdict_phases.split(","):
+                got["warm_sequential"] = _sequential(a, res, got, images, res["checkpoints"][1], kwargs, env, root)
                 (Path(a.work) / "verdict-partial.json").write_text(json.dumps({**res, **got}, indent=2))
             save_engine_logs(Path(a.work) / f"phase-verdict-serve-engines{suffix}.log")  # the service's Ray
     finally:

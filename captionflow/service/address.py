@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -31,8 +32,12 @@ def local_service_address() -> Optional[str]:
             return None  # its process is gone (or its number now belongs to another one): the file is stale
     except (KeyError, ValueError):
         return None
-    if info.get("auth_mode"):
-        os.environ.setdefault("RAY_AUTH_MODE", info["auth_mode"])
+    if info.get("auth_mode") and "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = info["auth_mode"]
+        if "ray._raylet" in sys.modules:  # Ray read its configuration when imported: read it again, as ray does
+            from ray._raylet import Config  # when it turns token authentication on (authentication_token_setup)
+
+            Config.initialize("")
     # a run on a local service's Ray ends soon after that Ray does (see _Lifeline), not after Ray's default 60 s
     os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", "15")
     return info.get("address")
