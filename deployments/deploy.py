@@ -217,9 +217,10 @@ def ensure_automations(block_id, deadline: str | None = None) -> dict[str, str]:
                 threshold=1,
                 within=timedelta(seconds=within),
             ),
-            "captionflow: a run is not Completed by its deadline",
-            f"A captionflow flow run has been running for {deadline} (the deployments' deadline) without reaching "
-            "Completed: it is late, or its process is gone. Check the Prefect UI's flow runs.",
+            "captionflow: run {{ flow_run.name }} is not Completed by its deadline",
+            f"Flow run {{{{ flow_run.name }}}} of {{{{ flow.name }}}} has been running for {deadline} (the "
+            "deployments' deadline) without reaching Completed: it is late, or its process is gone. "
+            "It is {{ flow_run.state.name }} now.",
         )
     ids = {}
     with get_client(sync_client=True) as client:

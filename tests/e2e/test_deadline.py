@@ -1,13 +1,19 @@
 """A run's deadline through a real Prefect API, Ray Data and vLLM on CPU: a run that cannot make it says so once,
-while there is still time (the sla-at-risk event, which the automation `captionflow deploy --notify-block` installs
-covers); a run that can is checked in tests/e2e/test_sequential_verdict.py (its summary's margin, no event)."""
+while there is still time (the sla-at-risk event), and the automations `captionflow deploy --notify-block` installs
+deliver it through a real webhook block; killed with kill -9, the run never reports again, and the backstop
+automation says so when the deployments' deadline passes. A run that can make it is checked in
+tests/e2e/test_sequential_verdict.py (its summary's margin, no event)."""
 
 from __future__ import annotations
 
+import http.server
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -25,14 +31,46 @@ def _events(client, deadline_iso: str) -> list[dict]:
     return [e for e in found if e["payload"].get("deadline") == deadline_iso]
 
 
-def test_a_run_projected_past_its_deadline_emits_sla_at_risk_once_before_the_deadline(prefect_api, tmp_path):
+BACKSTOP_S = 120  # the deployments' deadline: the backstop fires this long after the run starts Running
+
+
+class _Hook(http.server.BaseHTTPRequestHandler):
+    """A webhook receiver: what each notification POSTs."""
+
+    got: list[str] = []
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        type(self).got.append(json.loads(body)["text"])
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def _delivered(text: str, timeout_s: float, log) -> str:
+    deadline = time.time() + timeout_s
+    while not (found := [t for t in _Hook.got if text in t]):
+        assert time.time() < deadline, f"no notification with {text!r}; got {_Hook.got}; run log: {log()[-2000:]}"
+        time.sleep(2)
+    return found[0]
+
+
+def test_a_run_projected_past_its_deadline_emits_sla_at_risk_once_and_the_backstop_sees_it_killed(
+    prefect_api, tmp_path
+):
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
     from prefect.client.orchestration import get_client
-    from prefect.server.events.schemas.automations import EventTrigger as ServerTrigger
-    from prefect.server.events.schemas.events import ReceivedEvent
     from prefect.settings import PREFECT_API_URL
 
-    from deployments.deploy import SLA_AUTOMATION, ensure_automations
+    from deployments.deploy import ensure_automations
+
+    hook = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hook)
+    threading.Thread(target=hook.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{hook.server_address[1]}/hook"
+    block = CustomWebhookNotificationBlock(name="team", url=url, json_data={"text": "{{subject}}\n{{body}}"})
+    automations = ensure_automations(block.save(f"sla-{os.getpid()}"), deadline=f"{BACKSTOP_S}s")
 
     # 800 images of 128 tokens each, one at a time: over 10 min of captioning on 2 cores, due in 3 min
     data = make_images(tmp_path / "set", 800, size=(48, 36))
@@ -54,11 +92,26 @@ def test_a_run_projected_past_its_deadline_emits_sla_at_risk_once_before_the_dea
             time.sleep(8)  # the run goes on captioning, projected late all along: still one event
             found = _events(client, due.isoformat())
             assert run.poll() is None, log.read_text()[-3000:]
-    finally:
-        os.killpg(run.pid, signal.SIGKILL)  # the run and its Ray, at once
+        killed_after_s = time.time() - started
+        os.killpg(run.pid, signal.SIGKILL)  # the run and its Ray, at once: it never reports again
         run.wait(timeout=60)
-    # the engine core and its vLLM worker end with their engine actor (they lived on, ~1.3 GB, re-parented)
-    wait_engines_gone(since=started, timeout_s=60)
+        # the engine core and its vLLM worker end with their engine actor (they lived on, ~1.3 GB, re-parented)
+        wait_engines_gone(since=started, timeout_s=60)
+        # the at-risk notification, through the installed automation and the real block
+        said = _delivered("is projected", 60, log.read_text)
+        name = re.search(r"Beginning flow run '([^']+)'", log.read_text()).group(1)
+        assert killed_after_s < BACKSTOP_S  # killed before the backstop's deadline ...
+        backstop = _delivered(f"run {name} is not Completed by its deadline", BACKSTOP_S + 60, log.read_text)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait(timeout=60)
+        hook.shutdown()
+        with get_client(sync_client=True) as client:  # none of them fires for the other tests' runs
+            for automation_id in automations.values():
+                client.delete_automation(automation_id)
+    assert "Running now" in backstop  # ... and it is still Running in Prefect: the backstop is what says so
+    assert f"deadline {due.isoformat()}, projected" in said and "rows left" in said, said
     assert len(found) == 1, found
     event = found[0]
     p = event["payload"]
@@ -66,11 +119,3 @@ def test_a_run_projected_past_its_deadline_emits_sla_at_risk_once_before_the_dea
     assert p["projected_late_s"] > 0 and p["rows_left"] > 0 and p["rows_per_s"] > 0 and "late" not in p["model"]
     assert event["resource"]["prefect.resource.id"].startswith("captionflow.run.")
     assert "projected" in log.read_text() and EVENT in log.read_text()  # the log line says so too
-    # what captionflow deploy --notify-block installs covers this very event
-    block_id = CustomWebhookNotificationBlock(name="team", url="http://127.0.0.1:9/hook").save(f"sla-{os.getpid()}")
-    ensure_automations(block_id)
-    with get_client(sync_client=True) as client:
-        trigger = ServerTrigger.model_validate(
-            client.read_automations_by_name(SLA_AUTOMATION)[0].trigger.model_dump(mode="json")
-        )
-    assert trigger.covers(ReceivedEvent.model_validate(event))
