@@ -1,8 +1,8 @@
 """A run's deadline through a real Prefect API, Ray Data and vLLM on CPU: a run that cannot make it says so once,
 while there is still time (the sla-at-risk event), and the automations `captionflow deploy --notify-block` installs
-deliver it through a real webhook block; killed with kill -9, the run never reports again, and the backstop
-automation says so when the deployments' deadline passes. A run that can make it is checked in
-tests/e2e/test_sequential_verdict.py (its summary's margin, no event)."""
+deliver it through a real webhook block. Beside it, a run killed with kill -9 soon after it starts never reports
+again, and the backstop automation says so when the deployments' deadline passes. A run that can make its deadline
+is checked in tests/e2e/test_sequential_verdict.py (its summary's margin, no event)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _events(client, deadline_iso: str) -> list[dict]:
     return [e for e in found if e["payload"].get("deadline") == deadline_iso]
 
 
-BACKSTOP_S = 120  # the deployments' deadline: the backstop fires this long after the run starts Running
+BACKSTOP_S = 60  # the deployments' deadline: the backstop fires this long after a run starts Running
 
 
 class _Hook(http.server.BaseHTTPRequestHandler):
@@ -57,7 +57,7 @@ def _delivered(text: str, timeout_s: float, log) -> str:
     return found[0]
 
 
-def test_a_run_projected_past_its_deadline_emits_sla_at_risk_once_and_the_backstop_sees_it_killed(
+def test_a_run_projected_past_its_deadline_emits_sla_at_risk_once_and_the_backstop_sees_a_killed_one(
     prefect_api, tmp_path
 ):
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
@@ -84,7 +84,20 @@ def test_a_run_projected_past_its_deadline_emits_sla_at_risk_once_and_the_backst
     started = time.time()
     out = open(log, "w")  # noqa: SIM115 - the run's output, read as it grows
     run = subprocess.Popen([*CLI, *args], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    # the other run: killed with kill -9 once Running, before the backstop's deadline
+    killed_log = tmp_path / "killed.log"
+    other = ["run", "--device", "cpu", "--dataset", str(data), "--output", str(tmp_path / "other"), "--no-judge"]
+    with open(killed_log, "w") as sink:
+        killed = subprocess.Popen(
+            [*CLI, *other], env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
+        while not (name := re.search(r"Beginning flow run '([^']+)'", killed_log.read_text())):
+            assert killed.poll() is None and time.time() < started + BACKSTOP_S / 2, killed_log.read_text()[-3000:]
+            time.sleep(0.5)
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait(timeout=60)
+        killed_after_s = time.time() - started
         with get_client(sync_client=True) as client:
             while not (found := _events(client, due.isoformat())):
                 assert run.poll() is None and datetime.now(UTC) < due + timedelta(minutes=2), log.read_text()[-3000:]
@@ -92,20 +105,19 @@ def test_a_run_projected_past_its_deadline_emits_sla_at_risk_once_and_the_backst
             time.sleep(8)  # the run goes on captioning, projected late all along: still one event
             found = _events(client, due.isoformat())
             assert run.poll() is None, log.read_text()[-3000:]
-        killed_after_s = time.time() - started
-        os.killpg(run.pid, signal.SIGKILL)  # the run and its Ray, at once: it never reports again
+        os.killpg(run.pid, signal.SIGKILL)  # the run and its Ray, at once
         run.wait(timeout=60)
         # the engine core and its vLLM worker end with their engine actor (they lived on, ~1.3 GB, re-parented)
         wait_engines_gone(since=started, timeout_s=60)
         # the at-risk notification, through the installed automation and the real block
         said = _delivered("is projected", 60, log.read_text)
-        name = re.search(r"Beginning flow run '([^']+)'", log.read_text()).group(1)
-        assert killed_after_s < BACKSTOP_S  # killed before the backstop's deadline ...
-        backstop = _delivered(f"run {name} is not Completed by its deadline", BACKSTOP_S + 60, log.read_text)
+        assert killed_after_s < BACKSTOP_S  # the other run was killed before the backstop's deadline ...
+        backstop = _delivered(f"run {name.group(1)} is not Completed by its deadline", 60, killed_log.read_text)
     finally:
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
-            run.wait(timeout=60)
+        for proc in (run, killed):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=60)
         hook.shutdown()
         with get_client(sync_client=True) as client:  # none of them fires for the other tests' runs
             for automation_id in automations.values():

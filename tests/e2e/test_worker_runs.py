@@ -4,6 +4,7 @@ worker, a cancelled run. The worker runs the flow from this checkout, as `captio
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -43,9 +44,10 @@ def worker_pool(prefect_api, tmp_path_factory):
     yield ids, out, log
     worker.terminate()
     try:
-        worker.wait(timeout=30)
+        worker.wait(timeout=5)  # idle, it ends in ~0.5 s; after the cancelled run it waited out 30 s every time
     except subprocess.TimeoutExpired:
-        worker.kill()
+        os.killpg(worker.pid, signal.SIGKILL)  # the worker and what it started
+        worker.wait(timeout=30)
 
 
 def _wait(client, run_id, done, timeout_s: float, log: Path):

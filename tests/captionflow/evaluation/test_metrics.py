@@ -32,6 +32,20 @@ def test_perfect_caption_scores_one_and_matches_pycocoevalcap():
     assert agg["n_scored"] == 3
 
 
+def test_scored_by_several_processes_the_numbers_are_one_processs():
+    import random
+
+    words = "a the dog cat man red blue car street tree sits runs on in near two".split()
+    r = random.Random(7)
+    refs = {f"img{k:03d}": [" ".join(r.choices(words, k=r.randint(4, 12))) for _ in range(5)] for k in range(90)}
+    caps = {k: " ".join(r.choices(words, k=r.randint(1, 30))) for k in list(refs)[:85]}  # 5 images not captioned
+    caps["img000"] = refs["img000"][0]  # and one exact
+    refs["no-refs"], caps["no-refs"] = [], "a caption without references"
+    one = reference_metrics(caps, refs, processes=1)
+    assert reference_metrics(caps, refs, processes=4) == one  # aggregates and every image's scores, exactly
+    assert one[0]["n_scored"] == 85 and "no-refs" not in one[1] and one[1]["img000"]["bleu_4"] > 0.99
+
+
 def test_length_stats_and_repetition():
     s = length_stats(["one two three", "", "x x x x x"], ["stop", "stop", "length"], n_failed=1)
     assert s["n_captions"] == 3 and s["empty_rate"] == pytest.approx(1 / 3)
