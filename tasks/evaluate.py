@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Optional
 
 from prefect import task
+from prefect.runtime import flow_run
 
 from captionflow.config import RunConfig
 from captionflow.data.fingerprint import digest
 from captionflow.data.layout import missing_files
 from captionflow.data.storage import Store
 from captionflow.evaluation.evaluate import evaluate
+from captionflow.pipeline.deadline import for_run
 from captionflow.results import ClipResult, EvalResult, InferenceResult, JudgeResult, Manifest, PairwiseResult
 from tasks.policy import TIMEOUT_S, retry_transient
 from tasks.results import record_stage, validated
@@ -64,6 +66,7 @@ def evaluate_task(
     pairwise: Optional[PairwiseResult] = None,
     clip: Optional[ClipResult] = None,
 ) -> EvalResult:
+    due = for_run(cfg.deadline, cfg.deadline_margin_s, flow_run.scheduled_start_time)
     return evaluate(
         cfg.output,
         manifest,
@@ -76,4 +79,5 @@ def evaluate_task(
         report_images=cfg.report_images,
         pairwise=pairwise,
         clip=clip,
+        deadline=due.outcome() if due else None,  # met or missed when the verdict is in (the leaderboard row)
     )

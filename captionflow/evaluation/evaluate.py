@@ -31,9 +31,11 @@ def evaluate(
     report_images: int = 200,
     pairwise: Optional[PairwiseResult] = None,
     clip: Optional[ClipResult] = None,
+    deadline: Optional[dict] = None,
 ) -> EvalResult:
     """Score the captions of one run; write scores.parquet, metrics.json, report.md, report.html and
-    chart.png; update the leaderboard."""
+    chart.png; update the leaderboard. ``deadline``: the run's deadline outcome so far (``Deadline.outcome``),
+    kept in the metrics and the leaderboard row."""
     t0 = time.perf_counter()
     store = Store(output)
     run = tuple(inference.run_parts)
@@ -95,6 +97,8 @@ def evaluate(
     by_slice = slice_metrics(score_rows, slices)
     if by_slice:
         metrics["slices"] = by_slice
+    if deadline:
+        metrics["deadline"] = deadline
     metrics["comparison"] = update_leaderboard(store, manifest.dataset_fingerprint, run, model_source, metrics)
     compared_rows = read_compared(metrics["comparison"])
     if bootstrap_resamples:

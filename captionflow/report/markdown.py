@@ -61,6 +61,8 @@ def update_leaderboard(store: Store, ds_fp: str, run: tuple, model_source: str, 
         "judge_mean": (metrics.get("judge") or {}).get("mean_score"),
         # a sequential verdict's decision, e.g. "worse after 612 of 5,000 images (alpha 0.05, ...)"
         "verdict": verdict_line(metrics["sequential"]) if metrics.get("sequential") else None,
+        # the run's deadline when it was evaluated, e.g. "MISSED by 3 h 05 min (2026-11-29T06:00:00)"
+        "deadline": f"{d['line']} ({d['deadline']})" if (d := metrics.get("deadline")) else None,
         "clip_score": (metrics.get("clip") or {}).get("mean"),
         "external": run[3] == EXTERNAL_GENERATION,  # captions produced elsewhere (captionflow evaluate)
     }
@@ -101,7 +103,10 @@ def compact_leaderboard(store: Store) -> None:
     with Lease(store, "leaderboard", what=f"the leaderboard {store.url(LEADERBOARD)}", ttl_s=30, wait_s=600):
         rows = read_leaderboard(store)
         if rows:
-            store.write_table(pa.Table.from_pylist(rows), LEADERBOARD)
+            # every row with every column any row has: rows written by an older version lack the newer ones, and
+            # from_pylist takes its columns from the first row alone
+            columns = list(dict.fromkeys(k for r in rows for k in r))
+            store.write_table(pa.Table.from_pylist([{k: r.get(k) for k in columns} for r in rows]), LEADERBOARD)
 
 
 _MD_SPECIAL = str.maketrans({c: f"\\{c}" for c in "\\`*_[]|#"})

@@ -91,6 +91,11 @@ def test_a_sequential_run_stops_once_sure_and_a_full_run_captions_the_rest(prefe
     # a deadline it meets: the summary says by how much, and no sla-at-risk event
     assert full["deadline"]["met"] and full["deadline"]["spare_s"] > 0 and "to spare" in full["deadline"]["line"]
     assert not _sla_events(full["flow_run_id"])
+    board = {r["run_dir"]: r for r in pq.read_table(tmp_path / "out" / "leaderboard.parquet").to_pylist()}
+    assert (
+        board[full["run_dir"]]["deadline"].startswith("met with")
+        and full["deadline"]["deadline"][:16] in (board[full["run_dir"]]["deadline"])
+    )
     everything = _caption_rows(full["run_dir"])
     assert full["run_dir"] == seq["run_dir"] and full["resumed_from"] == len(captioned)
     assert len(everything) == N and len(set(everything)) == N and set(captioned) <= set(everything)

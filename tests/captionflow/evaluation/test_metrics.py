@@ -35,7 +35,7 @@ def test_perfect_caption_scores_one_and_matches_pycocoevalcap():
 def test_scored_by_several_processes_the_numbers_are_one_processs():
     import random
 
-    words = "a the dog cat man red blue car street tree sits runs on in near two".split()
+    words = ["a", "the", "dog", "cat", "red", "car", "street", "tree", "sits", "runs", "on", "near", "two"]
     r = random.Random(7)
     refs = {f"img{k:03d}": [" ".join(r.choices(words, k=r.randint(4, 12))) for _ in range(5)] for k in range(90)}
     caps = {k: " ".join(r.choices(words, k=r.randint(1, 30))) for k in list(refs)[:85]}  # 5 images not captioned

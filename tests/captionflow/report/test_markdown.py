@@ -32,6 +32,22 @@ def test_leaderboard_upserts_and_compares_with_previous_and_best(tmp_path):
     assert other["previous"] is None and other["runs_on_dataset"] == 1  # never across datasets
 
 
+def test_a_row_says_its_deadline_and_rows_of_an_older_version_keep_the_newer_columns(tmp_path):
+    from captionflow.report.markdown import ROWS, _row_name
+
+    store = Store(str(tmp_path))
+    update_leaderboard(store, "ds", ("runs", "ds", "m1", "gen"), "ckpt-1", _metrics(0.5))
+    old = store.read_json(ROWS, _row_name(read_leaderboard(store)[0]))
+    for key in ("verdict", "deadline"):  # a row written before these columns existed
+        del old[key]
+    store.write_json(old, ROWS, _row_name(old))
+    missed = {"deadline": "2026-11-29T06:00:00", "line": "MISSED by 3 h 05 min", "met": False, "spare_s": -11100.0}
+    update_leaderboard(store, "ds", ("runs", "ds", "m2", "gen"), "ckpt-2", {**_metrics(0.3), "deadline": missed})
+    rows = {r["model"]: r for r in pq.read_table(store.path(LEADERBOARD)).to_pylist()}
+    assert rows["ckpt-2"]["deadline"] == "MISSED by 3 h 05 min (2026-11-29T06:00:00)"
+    assert rows["ckpt-1"]["deadline"] is None and "verdict" in rows["ckpt-1"]
+
+
 def test_a_copied_checkpoint_is_named_as_the_row_it_shares(tmp_path):
     store = Store(str(tmp_path))
     run = ("runs", "ds", "m1", "gen")
