@@ -21,7 +21,7 @@ import re
 from collections.abc import Iterable
 from typing import Optional
 
-from captionflow.evaluation.metrics import caption_words
+from captionflow.evaluation.tokens import caption_words
 
 CHECKS = ("refusal", "reasoning_leak", "prompt_echo", "non_target_language")
 EXAMPLES = 3  # per fault, in the report

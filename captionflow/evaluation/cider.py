@@ -10,7 +10,7 @@ CIDEr (tests/captionflow/evaluation/test_cider.py), and a prefix's scores are th
 
 from __future__ import annotations
 
-from captionflow.evaluation.metrics import simple_tokenize
+from captionflow.evaluation.tokens import simple_tokenize
 
 BOUNDS = (0.0, 10.0)  # an image's CIDEr-D: 10 x a mean of clipped cosines (each <= 1) over n-gram sizes and references
 

@@ -10,10 +10,11 @@ import pyarrow as pa
 from captionflow.data.layout import CAPTIONS, SCORES, read_captions, shard_paths
 from captionflow.data.storage import Store
 from captionflow.evaluation.caption_health import caption_health
-from captionflow.evaluation.metrics import caption_words, length_stats, reference_metrics
+from captionflow.evaluation.metrics import length_stats, reference_metrics
 from captionflow.evaluation.pairwise_scores import length_bias, pairwise_per_image, score_by_length
 from captionflow.evaluation.significance import PER_IMAGE, paired_bootstrap
 from captionflow.evaluation.slices import slice_metrics, slices_of
+from captionflow.evaluation.tokens import caption_words
 from captionflow.report.html import chart_png, render_html, side_by_side, thumbnails
 from captionflow.report.markdown import read_leaderboard, render_report, update_leaderboard
 from captionflow.results import ClipResult, EvalResult, InferenceResult, JudgeResult, Manifest, PairwiseResult

@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-import re
 import statistics
 from collections.abc import Iterable
 from typing import Optional
 
-# Words (with an apostrophe suffix: "don't") and single other characters, except the punctuation PTBTokenizer
-# (pycocoevalcap.tokenizer) removes after tokenising: of its set ('' ' `` ` -LRB- -RRB- -LCB- -RCB- . ? ! , : - --
-# ... ;) only single characters can come out of this pattern, and those are excluded in it.
-_TOKEN = re.compile(r"[a-z0-9]+(?:'[a-z]+)?|[^\sa-z0-9'`.?!,:;\-]")
-
-
-def caption_words(text: str) -> list[str]:
-    """Lower-case, split words from punctuation, drop PTB's punctuation set; no Java needed."""
-    return _TOKEN.findall(text.lower())
-
-
-def simple_tokenize(text: str) -> str:
-    """``caption_words`` joined by spaces (the form pycocoevalcap's scorers take)."""
-    return " ".join(caption_words(text))
+from captionflow.evaluation.cider import FixedIdfCider
+from captionflow.evaluation.tokens import caption_words, simple_tokenize
 
 
 def ptb_tokenize(texts: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -106,8 +93,6 @@ def _scored_in_shares(ids, gts, res, captions, references, processes: int) -> tu
 
     import numpy as np
     from pycocoevalcap.bleu.bleu_scorer import BleuScorer
-
-    from captionflow.evaluation.cider import FixedIdfCider
 
     # the document frequencies of the images scored here, as pycocoevalcap's Cider takes them
     _SHARED.update(ids=ids, gts=gts, res=res, captions=captions, cider=FixedIdfCider({i: references[i] for i in ids}))

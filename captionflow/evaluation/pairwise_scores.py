@@ -30,7 +30,7 @@ def length_bias(mine: dict[str, str], theirs: dict[str, str], score: dict[str, f
     than ``near`` words, within ``near`` words of it, and shorter."""
     from statistics import fmean
 
-    from captionflow.evaluation.metrics import caption_words
+    from captionflow.evaluation.tokens import caption_words
 
     ids = [i for i in score if i in mine and i in theirs]
     if not ids:
@@ -55,7 +55,7 @@ def score_by_length(captions: dict[str, str], score: dict[str, float]) -> dict:
     captions' mean words: a score that climbs with length is the judge's length preference as much as quality."""
     from statistics import fmean
 
-    from captionflow.evaluation.metrics import caption_words
+    from captionflow.evaluation.tokens import caption_words
 
     rows = sorted((len(caption_words(captions[i])), s) for i, s in score.items() if i in captions and s is not None)
     if len(rows) < 3:
