@@ -28,7 +28,7 @@ from captionflow.data.layout import FITTED, dataset_parts
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.session import WORKER_ENV, keep_sigterm
 from captionflow.workers.fitted_images import cache_key, fitted_path
-from captionflow.workers.llm_rows import RANK, read_pending_rows
+from captionflow.workers.llm_rows import read_pending_rows
 
 
 def map_task_kwargs(engine: EngineSettings) -> dict[str, Any]:
@@ -50,8 +50,11 @@ def read_pending(
 ):
     """A Ray dataset of the dataset shards' rows whose image_id is in ``pending``; with ``fitted`` (a folder:
     ``fitted_folder``), their images fitted to the engine's grid, read from there or fitted once and kept;
-    ``ordered``: in ``pending``'s order (sorted by the position, across shards: a sequential verdict's order,
-    whose prefix must reach the engines first), else shard by shard.
+    ``ordered``: ``pending``'s order window by window (``rank_windows``: its first rows, enough for one wave of
+    every engine, then windows twice as large), each window read from every shard and in order within each read:
+    a sequential verdict's prefix reaches the engines first. Rows of one window can come from several reads at
+    once (the verdict waits for the prefix: ``PrefixVerdict``); one global sort of the image rows (Ray Data's
+    ``sort``) held the first request back 6.5 s on 5,000 images on a 4-GPU host.
 
     One read task per shard, named by the manifest: no listing (Ray Data 2.60's ``read_parquet`` first lists
     the files in a task of its own that reads their footers on a pool of actors: two process starts one after
@@ -63,7 +66,11 @@ def read_pending(
     import ray
 
     shards = [{"shard": p, "fitted": fitted_path(fitted, p) if fitted else ""} for p in shard_paths]
-    ds = ray.data.from_items(shards, override_num_blocks=max(len(shard_paths), 1))
+    if ordered:  # window-major: the reads of the first window are started first
+        first = engine.batch_size * max(1, engine.concurrency)
+        windows = rank_windows(len(pending), first) or [(0, 0)]
+        shards = [{**s, "lo": lo, "hi": hi} for lo, hi in windows for s in shards]
+    ds = ray.data.from_items(shards, override_num_blocks=max(len(shards), 1))
     read = functools.partial(
         read_pending_rows,
         fs=fs,
@@ -73,9 +80,16 @@ def read_pending(
         ranked=ordered,
     )
     ds = ds.map_batches(read, batch_size=1, batch_format="pyarrow", **map_task_kwargs(engine))
-    if ordered:
-        ds = ds.sort(RANK).drop_columns([RANK])
     return ds.repartition(target_num_rows_per_block=engine.batch_size)
+
+
+def rank_windows(n: int, first: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` windows over ``n`` positions: ``first`` of them, then each window twice the one before."""
+    windows, lo, size = [], 0, max(1, first)
+    while lo < n:
+        windows.append((lo, min(n, lo + size)))
+        lo, size = lo + size, size * 2
+    return windows
 
 
 def fitted_folder(cfg, store, manifest, engine: EngineSettings) -> str | None:

@@ -70,9 +70,6 @@ def keep_pending(batch: pa.Table, *, pending: pa.Array) -> pa.Table:
     return batch.filter(pc.is_in(batch["image_id"], value_set=pending))
 
 
-RANK = "__rank__"  # a row's position in ``pending`` (read_pending_rows(ranked=True))
-
-
 def read_pending_rows(
     batch: pa.Table,
     *,
@@ -84,13 +81,16 @@ def read_pending_rows(
 ) -> pa.Table:
     """Read: the ``pending`` rows (``columns``) of the dataset shards named in ``batch["shard"]`` (``fs``: the
     output root's fsspec filesystem). Where ``batch["fitted"]`` names a file, each image comes fitted to ``grid``
-    from there (``fitted_images``). ``ranked``: with a ``RANK`` column, each row's position in ``pending``."""
+    from there (``fitted_images``). ``ranked``: only the rows of ``pending[lo:hi]`` (``batch["lo"]``,
+    ``batch["hi"]``: one window of a sequential verdict's order), in that order."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     if ranked:
-        table = read_pending_rows(batch, fs=fs, columns=columns, pending=pending, grid=grid)
-        return table.append_column(RANK, pc.index_in(table["image_id"], value_set=pending).cast(pa.int64()))
+        lo, hi = batch["lo"][0].as_py(), batch["hi"][0].as_py()
+        window = pending.slice(lo, hi - lo)
+        table = read_pending_rows(batch, fs=fs, columns=columns, pending=window, grid=grid)
+        return table.take(pc.sort_indices(pc.index_in(table["image_id"], value_set=window)))
 
     tables = []
     for path, fitted_path in zip(batch["shard"].to_pylist(), batch["fitted"].to_pylist()):

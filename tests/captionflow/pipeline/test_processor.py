@@ -106,12 +106,33 @@ def test_read_pending_gives_the_pending_rows_of_every_shard_in_batches(tmp_path,
     assert sorted(got) == sorted(pending[:-1])  # every pending row once, nothing else (img-9-0 is in no shard)
     assert all(b.column_names == ["image_id", "image"] for b in batches)
     assert max(b.num_rows for b in batches) <= engine.batch_size  # re-blocked: the engine sees batches, not shards
-    # ordered: across shards, in pending's order (a sequential verdict's prefix reaches the engines first)
+    # ordered: pending's order window by window (a sequential verdict's prefix reaches the engines first), each
+    # window read from every shard, each read in order
     import random
 
+    import ray
+
+    from captionflow.pipeline.processor import rank_windows
+
+    assert rank_windows(10, 3) == [(0, 3), (3, 9), (9, 10)] and rank_windows(0, 3) == []
     order = pending[:-1]
     random.Random(3).shuffle(order)
-    ds = read_pending(fsspec.filesystem("file"), shards, ["image_id", "image"], order, engine, ordered=True)
-    batches = list(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
-    assert [i for b in batches for i in b["image_id"].to_pylist()] == order
-    assert all(b.column_names == ["image_id", "image"] for b in batches)
+    ctx = ray.data.DataContext.get_current()
+    keep = ctx.execution_options.preserve_order
+    ctx.execution_options.preserve_order = True  # the reads' rows in the order the reads were started
+    try:
+        ds = read_pending(fsspec.filesystem("file"), shards, ["image_id", "image"], order, engine, ordered=True)
+        batches = list(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
+    finally:
+        ctx.execution_options.preserve_order = keep
+    got = [i for b in batches for i in b["image_id"].to_pylist()]
+    assert sorted(got) == sorted(order) and all(b.column_names == ["image_id", "image"] for b in batches)
+    windows = rank_windows(len(order), engine.batch_size * engine.concurrency)
+    assert windows[0] == (0, 4) and len(windows) == 2  # one engine's batch of 4 first, then the 8 after it
+    position, k = {i: n for n, i in enumerate(order)}, 0
+    for lo, hi in windows:
+        part, k = got[k : k + hi - lo], k + hi - lo
+        assert set(part) == set(order[lo:hi])  # window by window
+        for s in range(3):
+            mine = [position[i] for i in part if i.startswith(f"img-{s}-")]
+            assert mine == sorted(mine)  # each shard's rows of the window in order
