@@ -1,9 +1,12 @@
 """Deployments run by a real Prefect process worker: a custom run that sets one parameter, a GPU run on a CPU
-worker, a cancelled run. The worker runs the flow from this checkout, as `captionflow deploy` sets it up."""
+worker, a cancelled run. The deployments and the worker are made by the README's own Prefect commands, as written
+there (`captionflow deploy --config golden.yaml --work-pool ...`, `prefect worker start --pool ...`), with a
+golden.yaml of the test's; the worker runs the flow from this checkout."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -14,27 +17,43 @@ from pathlib import Path
 import pytest
 from processes import wait_engines_gone
 
-from captionflow.config import RunConfig
-
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _readme_commands() -> dict[str, list[str]]:
+    """The README's Prefect commands (the bash block after "Prefect deployments."), by their first two words, with
+    the programs of this environment (the console scripts beside its Python)."""
+    block = (REPO / "README.md").read_text().split("**Prefect deployments.**", 1)[1]
+    block = block.split("```bash", 1)[1].split("```", 1)[0]
+    commands = {}
+    for line in block.strip().splitlines():
+        words = shlex.split(line.split("#", 1)[0])
+        commands[" ".join(words[:2])] = [str(Path(sys.executable).parent / words[0]), *words[1:]]
+    return commands
+
+
 @pytest.fixture(scope="module")
 def worker_pool(prefect_api, tmp_path_factory):
-    """``captionflow deploy`` on a fresh process pool, and a process worker polling it."""
+    """The README's ``captionflow deploy --config golden.yaml --work-pool ...`` and ``prefect worker start``."""
+    from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL
 
-    from deployments.deploy import deploy
-
-    out = tmp_path_factory.mktemp("worker") / "out"
-    pool = f"pool-{uuid.uuid4().hex[:6]}"
-    ids = deploy(RunConfig(output=str(out), device="cpu", max_tokens=16), work_pool=pool)
+    home = tmp_path_factory.mktemp("worker")
+    out = home / "out"
+    (home / "golden.yaml").write_text(f"output: {out}\ndevice: cpu\nmax_tokens: 16\n")
+    commands = _readme_commands()
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONUNBUFFERED": "1"}
+    made = subprocess.run(
+        commands["captionflow deploy"], cwd=home, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-3000:]
+    with get_client(sync_client=True) as client:
+        ids = {name: str(client.read_deployment_by_name(f"captionflow/{name}").id) for name in ("golden-nightly",)}
     log = tmp_path_factory.mktemp("worker-log") / "worker.log"
     with open(log, "w") as sink:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--prefetch-seconds", "5"],
+            [*commands["prefect worker"], "--prefetch-seconds", "5"],
             cwd=REPO,
             env=env,
             stdout=sink,
