@@ -53,11 +53,11 @@ def reference_metrics(
     else:
         gts = {i: [simple_tokenize(r) for r in references[i]] for i in ids}
         res = {i: [simple_tokenize(captions[i])] for i in ids}
-    agg: dict[str, float] = {}
-    per: dict[str, dict] = {i: {} for i in ids}
     processes = scorer_processes(len(ids)) if processes is None else processes
     if not java and processes > 1:
         return _scored_in_shares(ids, gts, res, {i: captions[i] for i in ids}, references, processes)
+    agg: dict[str, float] = {}
+    per: dict[str, dict] = {i: {} for i in ids}
     import contextlib
     import io
 
