@@ -71,8 +71,8 @@ def test_every_dashboard_panel_has_data_from_a_real_run(prometheus, prefect_api,
     # captioning long enough that every engine counter is scraped many times before the engines stop (rate()
     # needs two samples): 48 images x 128 tokens gave 5-7 samples of the generation-token counter alone, and
     # the generation-token and first-token panels were empty once in a full CI run on 2 cores; 96 x 768 gave
-    # 14 (16 demo images of up to 32 tokens sometimes gave one)
-    images = make_images(tmp_path / "images", 96, size=(320, 240))
+    # 14 (16 demo images of up to 32 tokens sometimes gave one); 64 x 512 is 5 times the tokens that failed once
+    images = make_images(tmp_path / "images", 64, size=(320, 240))
     env = {
         **os.environ,
         "PREFECT_API_URL": PREFECT_API_URL.value(),
@@ -84,7 +84,7 @@ def test_every_dashboard_panel_has_data_from_a_real_run(prometheus, prefect_api,
     r = subprocess.run(
         [sys.executable, "-m", "flows.cli", "run", "--device", "cpu", "--dataset", str(images)]
         + ["--output", str(tmp_path / "out"), "--no-judge", "--metrics-port", str(metrics_port)]
-        + ["--max-tokens", "768", "--ignore-eos"],
+        + ["--max-tokens", "512", "--ignore-eos"],
         env=env,
         capture_output=True,
         text=True,
