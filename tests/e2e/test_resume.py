@@ -93,19 +93,29 @@ def _progress_attempts(flow_run_id: str) -> list:
 
 
 def test_failed_rows_recorded_then_retried_on_s3(prefect_api, s3_bucket, monkeypatch, tmp_path):
+    import shutil
+
     import pyarrow.fs
     import s3fs
 
     from flows.cli import main
 
     demo = ensure_demo_dataset()
-    bad = sorted(content_id((demo / n).read_bytes()) for n in ("coffee.png", "rocket.jpg"))
+    rejected = ["coffee.png", "rocket.jpg"]
+    bad = sorted(content_id((demo / n).read_bytes()) for n in rejected)
+    # ten images, two of them rejected (20%, under the default max_failure_rate): every file of the run (shards,
+    # captions, report thumbnails) goes to the S3 server, and a small set keeps that short
+    data = tmp_path / "ten"
+    data.mkdir()
+    for n in [*rejected, *[n for n in sorted(DEMO_CAPTIONS) if n not in rejected][:8]]:
+        shutil.copy2(demo / n, data / n)
     out = f"s3://{s3_bucket}/cf"
+    run = ["run", "--dataset", str(data), "--output", out, "--device", "cpu"]
 
     # 1) the engine rejects two rows; no retry pass allowed: they are recorded, never counted as done
     monkeypatch.setenv("CAPTIONFLOW_INJECT_ROW_FAILURES", ",".join(bad))
     first = tmp_path / "first.json"
-    assert main(["run", "--output", out, "--device", "cpu", "--row-retries", "0", "--summary-json", str(first)]) == 0
+    assert main([*run, "--row-retries", "0", "--summary-json", str(first)]) == 0
     s1 = json.loads(first.read_text())
     assert s1["counts"]["failed"] == 2 and s1["counts"]["captioned"] == s1["counts"]["accepted"] - 2
     fs = s3fs.S3FileSystem(endpoint_url=os.environ["AWS_ENDPOINT_URL"])
@@ -116,7 +126,7 @@ def test_failed_rows_recorded_then_retried_on_s3(prefect_api, s3_bucket, monkeyp
 
     # 2) rerun: the two rows are retried (first attempt fails again, the retry pass succeeds)
     second = tmp_path / "second.json"
-    assert main(["run", "--output", out, "--device", "cpu", "--summary-json", str(second)]) == 0
+    assert main([*run, "--summary-json", str(second)]) == 0
     s2 = json.loads(second.read_text())
     assert s2["cached_stages"] == ["preprocess"]  # inference was not cached: it had failed rows
     assert s2["resumed_from"] == s1["counts"]["captioned"]
