@@ -40,7 +40,7 @@ run: install
 	$(VENV)/bin/captionflow run
 
 test: install system-deps lint
-	$(VENV)/bin/python -m pytest -q --durations=25
+	$(VENV)/bin/python -m pytest -q --durations=40
 
 # Programs the tests run for real and pip cannot install: Prometheus (scrapes a real run) and Chromium
 # (renders the HTML report). Installed with apt where missing (as root, or through sudo).
