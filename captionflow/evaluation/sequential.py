@@ -195,7 +195,7 @@ class PrefixVerdict:
         self.baseline, self.score, self.score_name, self.against = baseline, score, score_name, against
         lo, hi = bounds
         self.cs = ConfidenceSequence(len(self.order), (lo - hi, hi - lo), alpha, delta)
-        self.scored: dict[str, float] = {}
+        self.waiting: dict[str, str] = {}  # captions after the prefix's first gap, scored once the prefix reaches them
         self.verdict = self.cs.verdict()
 
     @property
@@ -203,15 +203,18 @@ class PrefixVerdict:
         return self.verdict.decision != "continue"
 
     def observe(self, captions: dict[str, str]) -> bool:
-        new = {i: c for i, c in captions.items() if i in self.baseline and i not in self.scored}
-        if new:
-            self.scored.update(self.score(new))
-        k, differences = self.cs.n, []
-        while k < len(self.order) and self.order[k] in self.scored:
-            differences.append(self.scored[self.order[k]] - self.baseline[self.order[k]])
-            k += 1
-        if differences and not self.decided:
-            self.verdict = self.cs.update(differences)
+        """Only the prefix's captions are scored, as it grows: a caption beyond its first gap waits unscored, and
+        none is scored once the verdict is in. The driver calls this with every row it pulls, between pulls; it
+        scored every row (~2-3 ms each), and on 4 H200s it pulled 1,327 rows for a verdict after 84."""
+        if self.decided:
+            return True
+        self.waiting.update((i, c) for i, c in captions.items() if i in self.baseline)
+        k, prefix = self.cs.n, []
+        while k + len(prefix) < len(self.order) and self.order[k + len(prefix)] in self.waiting:
+            prefix.append(self.order[k + len(prefix)])
+        if prefix:
+            scores = self.score({i: self.waiting.pop(i) for i in prefix})
+            self.verdict = self.cs.update([scores[i] - self.baseline[i] for i in prefix])
         return self.decided
 
     def record(self, points: int = 200) -> dict:

@@ -165,13 +165,14 @@ def test_the_verdict_sees_the_orders_prefix_not_whichever_captions_came_first():
 
     pv = PrefixVerdict(order, baseline, score, (0.0, 1.0), alpha=0.05)
     assert pv.observe({order[k]: "0" for k in range(1, 30)}) is False  # the order's first image is missing
-    assert pv.cs.n == 0 and len(seen_scored) == 29  # scored as they arrive, but nothing fed yet
+    assert pv.cs.n == 0 and seen_scored == []  # nothing scored while the prefix has a gap at its start
     decided = pv.observe({order[0]: "0"})  # now the prefix runs to 30 images at once, each 1 below the baseline
     assert pv.cs.n == 30 and decided and pv.verdict.decision == "worse"
+    assert sorted(seen_scored) == sorted(order[:30])  # the prefix, each image once
     record = pv.record()
     assert record["images_used"] == 30 and record["images_total"] == 50 and record["upper"] < 0
     assert record["trajectory"][-1][0] == 30
     assert pv.observe({order[k]: "1" for k in range(30, 50)}) is True  # decided stays decided: no more updates
-    assert pv.cs.n == 30
+    assert pv.cs.n == 30 and len(seen_scored) == 30  # nor scored
     # images the baseline lacks are not in the population
     assert len(PrefixVerdict(order, dict.fromkeys(ids[:20], 1.0), score, (0.0, 1.0)).order) == 20
