@@ -264,6 +264,7 @@ def _caption_rows(
             ),
             warm=warm,
             rows=len(pending),
+            ordered=ordered,
         )
         ds = read_pending(store.fs, shards, ["image_id", "image"], pending, engine, fitted, ordered=ordered)
         return processor(ds).map(

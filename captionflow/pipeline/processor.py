@@ -118,10 +118,12 @@ def build_vlm_processor(
     postprocess: Callable,
     warm=None,
     rows: int | None = None,
+    ordered: bool = False,
 ):
     """A Ray Data LLM processor for one VLM: ``preprocess`` turns a dataset row into a request,
     ``postprocess`` the engine's answer into a result row; for a pass of ``rows`` rows, each engine gets at most
-    its even share of them in flight at once (``EngineSettings.for_rows``)."""
+    its even share of them in flight at once (``EngineSettings.for_rows``); ``ordered``: the rows come in a
+    sequential verdict's order, and warm engines take them a few blocks at first (``service/feed.py``)."""
     prewarmed()
     if rows is not None:
         engine = engine.for_rows(rows, len(warm.apps) if warm is not None else None)
@@ -167,7 +169,7 @@ def build_vlm_processor(
     map_kwargs = map_task_kwargs(engine)
     with keep_sigterm(), without_vllm():  # building a processor calls ray.init again; no vLLM in the driver
         if warm is not None:  # the same settings; the stages run warm in the service's replica (service/feed.py)
-            return _warm_processor(config, warm, engine, preprocess, postprocess, map_kwargs)
+            return _warm_processor(config, warm, engine, preprocess, postprocess, map_kwargs, ordered)
         return build_processor(
             config,
             preprocess=preprocess,
@@ -177,7 +179,9 @@ def build_vlm_processor(
         )
 
 
-def _warm_processor(config, warm, engine: EngineSettings, preprocess, postprocess, map_kwargs: dict):
+def _warm_processor(
+    config, warm, engine: EngineSettings, preprocess, postprocess, map_kwargs: dict, ordered: bool = False
+):
     """A Ray Data LLM Processor without an engine stage: its preprocess builds the request rows in the run's
     tasks, and the driver hands them to the warm engine service's replicas, which run the engine stage
     (``service/feed.py``); the processor's postprocess then runs on the rows they return."""
@@ -199,5 +203,7 @@ def _warm_processor(config, warm, engine: EngineSettings, preprocess, postproces
         config, [], preprocess=preprocess, postprocess=postprocess, preprocess_map_kwargs=preprocess_kwargs
     )
     # as many blocks (of batch_size rows) in flight to each engine as a cold run's engine actor takes batches
-    rows = functools.partial(WarmRows, warm=warm, processor=processor, blocks_per_engine=engine.max_concurrent_batches)
+    rows = functools.partial(
+        WarmRows, warm=warm, processor=processor, blocks_per_engine=engine.max_concurrent_batches, ordered=ordered
+    )
     return lambda ds: rows(ds.map(processor.preprocess, **processor.preprocess_map_kwargs))

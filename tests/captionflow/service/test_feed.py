@@ -35,7 +35,8 @@ class Engine:
             block = await refs[0]  # arrives as an object reference, not as rows through the driver
             rows = BlockAccessor.for_block(block).to_batch_format("default")["__data"].tolist()
             self.log.append((self.name, time.monotonic(), len(rows)))
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)
+            self.log.append((self.name, time.monotonic(), 0))  # back
             if self.fail:
                 raise RuntimeError("the replica died")
             assert all(r["multimodal_data"]["image"].ndim == 3 for r in rows)  # the request's image array
@@ -81,7 +82,8 @@ class Warm:
 
 @pytest.fixture(scope="module")
 def caption_rows(builtin_model_dir, tmp_path_factory):
-    """``rows(warm)``: the warm processor's result rows for 12 small images, in batches of 2 rows."""
+    """``rows(warm, ordered, built)``: the warm processor's result rows for 12 small images, in blocks of 2 rows
+    (``built``: the request blocks built before they are fed)."""
     import numpy as np
     import ray
 
@@ -98,18 +100,22 @@ def caption_rows(builtin_model_dir, tmp_path_factory):
             "sampling_params": {"max_tokens": 4},
         }
 
-    def rows(warm):
+    def rows(warm, ordered: bool = False, built: bool = False):
         processor = build_vlm_processor(
             engine,
             model.path,
             preprocess=request,
             postprocess=functools.partial(to_caption, max_tokens=4, model_fp=warm.model_fingerprint, attempt=0),
             warm=warm,
+            ordered=ordered,
         )
         ds = ray.data.from_items([{"image_id": f"img{i:02d}"} for i in range(12)]).repartition(
             target_num_rows_per_block=2
         )
-        return processor(ds).map(functools.partial(caption_fixed_schema, model_fp=warm.model_fingerprint, attempt=0))
+        out = processor(ds).map(functools.partial(caption_fixed_schema, model_fp=warm.model_fingerprint, attempt=0))
+        if built:  # every request block built before the feed starts: it sends as many as it may at once
+            out.requests = out.requests.materialize()
+        return out
 
     return rows
 
@@ -123,12 +129,33 @@ def test_blocks_go_out_only_after_the_checkpoint_is_in_and_spread_over_the_engin
     _engines(monkeypatch, {a: Engine(a, "fp-b", log) for a in ("e0", "e1")})
     warm = Warm(["e0", "e1"], "fp-b", load_s=2.0)
     with caplog.at_level("INFO", logger="captionflow.warm"):
-        out = list(caption_rows(warm).iter_rows())
+        out = list(caption_rows(warm, built=True).iter_rows())
     assert sorted(r["image_id"] for r in out) == [f"img{i:02d}" for i in range(12)]
     assert all(r["error"] == "" and r["caption"] == f"caption of {r['image_id']}" for r in out)
     assert min(t for _, t, _ in log) >= warm.loaded_at  # nothing was sent while the checkpoint was swapped in
+    assert _sent_before_the_first_back(log) == 4  # max_concurrent_batches (2) blocks to each engine at once
     assert {name for name, _, _ in log} == {"e0", "e1"} and sum(n for *_, n in log) == 12
     assert any(GATE in m for m in caplog.messages)
+
+
+def _sent_before_the_first_back(log: list) -> int:
+    events = sorted(log, key=lambda e: e[1])
+    return next(k for k, (_, _, n) in enumerate(events) if n == 0)
+
+
+def test_an_ordered_run_sends_a_block_per_engine_first_and_a_block_more_each_time_one_comes_back(
+    caption_rows, monkeypatch
+):
+    log: list = []
+    _engines(monkeypatch, {a: Engine(a, "fp-b", log) for a in ("e0", "e1")})
+    out = list(caption_rows(Warm(["e0", "e1"], "fp-b"), ordered=True, built=True).iter_rows())
+    assert sorted(r["image_id"] for r in out) == [f"img{i:02d}" for i in range(12)]
+    assert _sent_before_the_first_back(log) == 2  # one block to each engine, not max_concurrent_batches each
+    in_flight, most = 0, 0
+    for _, _, n in sorted(log, key=lambda e: e[1]):
+        in_flight += 1 if n else -1
+        most = max(most, in_flight)
+    assert most == 4  # and up to max_concurrent_batches (2) each as blocks came back
 
 
 def test_a_row_served_by_another_checkpoint_is_an_error_row_never_a_caption(caption_rows, monkeypatch):
