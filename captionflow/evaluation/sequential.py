@@ -175,15 +175,17 @@ def seeded_order(image_ids: list[str], seed: str) -> list[str]:
 
 class PrefixVerdict:
     """The sequential verdict of one run as its captions commit: the golden set's images that have a baseline
-    score, in ``seeded_order``; ``observe`` takes newly committed captions in any order, scores them (``score``:
-    captions -> per-image scores) and feeds the confidence sequence the differences of the order's *prefix* only -
-    the images up to the first one not yet captioned - never whichever captions finished first (caption length and
-    completion time go together: an early sample would be biased). True once the verdict is in."""
+    caption (``baseline``: image id -> the baseline's caption), in ``seeded_order``; ``observe`` takes newly
+    committed captions in any order, scores them (``score``: captions -> per-image scores) and feeds the confidence
+    sequence the differences of the order's *prefix* only - the images up to the first one not yet captioned - never
+    whichever captions finished first (caption length and completion time go together: an early sample would be
+    biased). The baseline's captions are scored as the prefix reaches them, not up front: scoring 5,000 of them
+    took ~5 s on 2 cores before the run's first request could go out. True once the verdict is in."""
 
     def __init__(
         self,
         order: list[str],
-        baseline: dict[str, float],
+        baseline: dict[str, str],
         score,
         bounds: tuple[float, float],
         alpha: float = 0.05,
@@ -213,8 +215,9 @@ class PrefixVerdict:
         while k + len(prefix) < len(self.order) and self.order[k + len(prefix)] in self.waiting:
             prefix.append(self.order[k + len(prefix)])
         if prefix:
-            scores = self.score({i: self.waiting.pop(i) for i in prefix})
-            self.verdict = self.cs.update([scores[i] - self.baseline[i] for i in prefix])
+            mine = self.score({i: self.waiting.pop(i) for i in prefix})
+            theirs = self.score({i: self.baseline[i] for i in prefix})
+            self.verdict = self.cs.update([mine[i] - theirs[i] for i in prefix])
         return self.decided
 
     def record(self, points: int = 200) -> dict:

@@ -156,7 +156,7 @@ def test_the_verdict_sees_the_orders_prefix_not_whichever_captions_came_first():
 
     ids = [f"i{k}" for k in range(50)]
     order = seeded_order(ids, "prefix")
-    baseline = dict.fromkeys(ids, 1.0)
+    baseline = dict.fromkeys(ids, "1")  # the baseline's captions, scored as the prefix reaches them
     seen_scored = []
 
     def score(captions):
@@ -168,11 +168,11 @@ def test_the_verdict_sees_the_orders_prefix_not_whichever_captions_came_first():
     assert pv.cs.n == 0 and seen_scored == []  # nothing scored while the prefix has a gap at its start
     decided = pv.observe({order[0]: "0"})  # now the prefix runs to 30 images at once, each 1 below the baseline
     assert pv.cs.n == 30 and decided and pv.verdict.decision == "worse"
-    assert sorted(seen_scored) == sorted(order[:30])  # the prefix, each image once
+    assert sorted(seen_scored) == sorted(order[:30] * 2)  # the prefix, each image once on each side
     record = pv.record()
     assert record["images_used"] == 30 and record["images_total"] == 50 and record["upper"] < 0
     assert record["trajectory"][-1][0] == 30
     assert pv.observe({order[k]: "1" for k in range(30, 50)}) is True  # decided stays decided: no more updates
-    assert pv.cs.n == 30 and len(seen_scored) == 30  # nor scored
+    assert pv.cs.n == 30 and len(seen_scored) == 60  # nor scored
     # images the baseline lacks are not in the population
-    assert len(PrefixVerdict(order, dict.fromkeys(ids[:20], 1.0), score, (0.0, 1.0)).order) == 20
+    assert len(PrefixVerdict(order, dict.fromkeys(ids[:20], "1"), score, (0.0, 1.0)).order) == 20
