@@ -204,6 +204,11 @@ def _warm_processor(
     )
     # as many blocks (of batch_size rows) in flight to each engine as a cold run's engine actor takes batches
     rows = functools.partial(
-        WarmRows, warm=warm, processor=processor, blocks_per_engine=engine.max_concurrent_batches, ordered=ordered
+        WarmRows,
+        warm=warm,
+        processor=processor,
+        blocks_per_engine=engine.max_concurrent_batches,
+        batch_rows=engine.batch_size,
+        ordered=ordered,
     )
     return lambda ds: rows(ds.map(processor.preprocess, **processor.preprocess_map_kwargs))

@@ -36,7 +36,7 @@ class Engine:
             rows = BlockAccessor.for_block(block).to_batch_format("default")["__data"].tolist()
             self.log.append((self.name, time.monotonic(), len(rows)))
             await asyncio.sleep(0.3)
-            self.log.append((self.name, time.monotonic(), 0))  # back
+            self.log.append((self.name, time.monotonic(), -len(rows)))  # back
             if self.fail:
                 raise RuntimeError("the replica died")
             assert all(r["multimodal_data"]["image"].ndim == 3 for r in rows)  # the request's image array
@@ -87,7 +87,7 @@ def caption_rows(builtin_model_dir, tmp_path_factory):
     import numpy as np
     import ray
 
-    cfg = RunConfig(device="cpu", batch_size=2, max_concurrent_batches=2)
+    cfg = RunConfig(device="cpu", batch_size=2, max_concurrent_batches=4)
     ray_session(cfg)
     model = resolve_model("builtin")
     engine = resolve_engine(cfg, model, CPU)
@@ -133,29 +133,36 @@ def test_blocks_go_out_only_after_the_checkpoint_is_in_and_spread_over_the_engin
     assert sorted(r["image_id"] for r in out) == [f"img{i:02d}" for i in range(12)]
     assert all(r["error"] == "" and r["caption"] == f"caption of {r['image_id']}" for r in out)
     assert min(t for _, t, _ in log) >= warm.loaded_at  # nothing was sent while the checkpoint was swapped in
-    assert _sent_before_the_first_back(log) == 4  # max_concurrent_batches (2) blocks to each engine at once
-    assert {name for name, _, _ in log} == {"e0", "e1"} and sum(n for *_, n in log) == 12
+    blocks = sum(1 for *_, n in log if n > 0)
+    assert _sent_before_the_first_back(log) == min(blocks, 8)  # max_concurrent_batches (4) blocks per engine
+    assert {name for name, _, _ in log} == {"e0", "e1"} and sum(n for *_, n in log if n > 0) == 12
     assert any(GATE in m for m in caplog.messages)
 
 
-def _sent_before_the_first_back(log: list) -> int:
+def _sent_before_the_first_back(log: list, rows: bool = False) -> int:
+    """Blocks (or their rows) sent before the first block came back."""
     events = sorted(log, key=lambda e: e[1])
-    return next(k for k, (_, _, n) in enumerate(events) if n == 0)
+    first_back = next(k for k, (_, _, n) in enumerate(events) if n < 0)
+    return sum(n for *_, n in events[:first_back]) if rows else first_back
 
 
-def test_an_ordered_run_sends_a_block_per_engine_first_and_a_block_more_each_time_one_comes_back(
-    caption_rows, monkeypatch
-):
+def _most_in_flight(log: list) -> tuple[int, int]:
+    """The most blocks, and the most rows, in the engines at once."""
+    blocks = rows = most_blocks = most_rows = 0
+    for _, _, n in sorted(log, key=lambda e: e[1]):
+        blocks, rows = blocks + (1 if n > 0 else -1), rows + n
+        most_blocks, most_rows = max(most_blocks, blocks), max(most_rows, rows)
+    return most_blocks, most_rows
+
+
+def test_an_ordered_run_sends_a_batch_of_rows_per_engine_first_and_as_many_more_as_come_back(caption_rows, monkeypatch):
     log: list = []
     _engines(monkeypatch, {a: Engine(a, "fp-b", log) for a in ("e0", "e1")})
     out = list(caption_rows(Warm(["e0", "e1"], "fp-b"), ordered=True, built=True).iter_rows())
     assert sorted(r["image_id"] for r in out) == [f"img{i:02d}" for i in range(12)]
-    assert _sent_before_the_first_back(log) == 2  # one block to each engine, not max_concurrent_batches each
-    in_flight, most = 0, 0
-    for _, _, n in sorted(log, key=lambda e: e[1]):
-        in_flight += 1 if n else -1
-        most = max(most, in_flight)
-    assert most == 4  # and up to max_concurrent_batches (2) each as blocks came back
+    assert _sent_before_the_first_back(log, rows=True) == 4  # a batch (2 rows) per engine: the order's first window
+    most_blocks, most_rows = _most_in_flight(log)
+    assert most_rows > 4 and most_blocks <= 8  # then more as rows came back, up to max_concurrent_batches (4) each
 
 
 def test_a_row_served_by_another_checkpoint_is_an_error_row_never_a_caption(caption_rows, monkeypatch):
