@@ -211,4 +211,13 @@ def _warm_processor(
         batch_rows=engine.batch_size,
         ordered=ordered,
     )
-    return lambda ds: rows(ds.map(processor.preprocess, **processor.preprocess_map_kwargs))
+
+    def requests(ds):
+        if ordered:
+            # the blocks reach the driver in the order's windows (``read_pending``): Ray Data otherwise hands them
+            # on as their tasks finish, and later windows' rows took the first window's place in the feed's budget
+            # (on one H200 the verdict after 24 images came 3.8 s after the gate, 230 rows back)
+            ds.context.execution_options.preserve_order = True
+        return rows(ds.map(processor.preprocess, **processor.preprocess_map_kwargs))
+
+    return requests

@@ -24,8 +24,9 @@ from captionflow.workers.llm_rows import caption_fixed_schema, to_caption
 class Engine:
     """Answers ``caption_block.remote([ref])`` as a replica does: the block's rows without their images."""
 
-    def __init__(self, name: str, served_by: str, log: list, fail: bool = False):
+    def __init__(self, name: str, served_by: str, log: list, fail: bool = False, received: list | None = None):
         self.name, self.served_by, self.log, self.fail = name, served_by, log, fail
+        self.received = received if received is not None else []  # the image ids, as they came
         self.caption_block = self
 
     def remote(self, refs: list):
@@ -35,6 +36,7 @@ class Engine:
             block = await refs[0]  # arrives as an object reference, not as rows through the driver
             rows = BlockAccessor.for_block(block).to_batch_format("default")["__data"].tolist()
             self.log.append((self.name, time.monotonic(), len(rows)))
+            self.received.extend(r["image_id"] for r in rows)
             await asyncio.sleep(0.3)
             self.log.append((self.name, time.monotonic(), -len(rows)))  # back
             if self.fail:
@@ -92,7 +94,9 @@ def caption_rows(builtin_model_dir, tmp_path_factory):
     model = resolve_model("builtin")
     engine = resolve_engine(cfg, model, CPU)
 
-    def request(row):
+    def request(row, slow: frozenset = frozenset()):
+        if row["image_id"] in slow:
+            time.sleep(1.0)
         return {
             "image_id": row["image_id"],
             "prompt": "<image> describe",
@@ -100,11 +104,11 @@ def caption_rows(builtin_model_dir, tmp_path_factory):
             "sampling_params": {"max_tokens": 4},
         }
 
-    def rows(warm, ordered: bool = False, built: bool = False):
+    def rows(warm, ordered: bool = False, built: bool = False, slow: frozenset = frozenset()):
         processor = build_vlm_processor(
             engine,
             model.path,
-            preprocess=request,
+            preprocess=functools.partial(request, slow=slow),
             postprocess=functools.partial(to_caption, max_tokens=4, model_fp=warm.model_fingerprint, attempt=0),
             warm=warm,
             ordered=ordered,
@@ -163,6 +167,17 @@ def test_an_ordered_run_sends_a_batch_of_rows_per_engine_first_and_as_many_more_
     assert _sent_before_the_first_back(log, rows=True) == 4  # a batch (2 rows) per engine: the order's first window
     most_blocks, most_rows = _most_in_flight(log)
     assert most_rows > 4 and most_blocks <= 8  # then more as rows came back, up to max_concurrent_batches (4) each
+
+
+def test_an_ordered_runs_blocks_reach_the_engines_in_order_even_when_the_first_are_built_last(
+    caption_rows, monkeypatch
+):
+    received: list = []
+    _engines(monkeypatch, {a: Engine(a, "fp-b", [], received=received) for a in ("e0", "e1")})
+    slow = frozenset({"img00", "img01"})  # the first block's requests take a second to build
+    out = list(caption_rows(Warm(["e0", "e1"], "fp-b"), ordered=True, slow=slow).iter_rows())
+    assert len(out) == 12
+    assert received == [f"img{i:02d}" for i in range(12)]
 
 
 def test_a_row_served_by_another_checkpoint_is_an_error_row_never_a_caption(caption_rows, monkeypatch):
