@@ -99,7 +99,8 @@ def publish_artifacts(summary: dict[str, Any]) -> None:
     seq = (summary.get("metrics") or {}).get("sequential")
     if seq:
         create_markdown_artifact(
-            markdown=f"**Sequential verdict**: {md_text(verdict_line(seq))}",
+            markdown=f"**Sequential verdict**: {md_text(verdict_line(seq))}"
+            + (f"\n\n{md_text(b.get('line') or b.get('error', ''))}" if (b := seq.get("bootstrap")) else ""),
             key="sequential-verdict",
             description="the anytime-valid verdict against the baseline (its interval's trajectory: report.html)",
         )

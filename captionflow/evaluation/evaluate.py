@@ -104,6 +104,10 @@ def evaluate(
     compared_rows = read_compared(metrics["comparison"])
     if bootstrap_resamples:
         add_significance(metrics["comparison"], score_rows, compared_rows, bootstrap_resamples)
+        if metrics.get("sequential"):
+            metrics["sequential"]["bootstrap"] = bootstrap_beside_verdict(
+                metrics["sequential"], score_rows, bootstrap_resamples
+            )
     store.write_json(metrics, *run, "metrics.json")
     store.write_text(render_report(model_source, manifest, inference, metrics, score_rows), *run, "report.md")
     write_html_report(store, run, manifest, model_source, metrics, score_rows, compared_rows, report_images)
@@ -154,6 +158,23 @@ def write_html_report(
         max_images,
     )
     store.write_text(page, *run, "report.html")
+
+
+def bootstrap_beside_verdict(record: dict, rows: list[dict], n_resamples: int) -> dict:
+    """The fixed-sample paired bootstrap of the verdict's score against the sequential verdict's own baseline, on the
+    images captioned (``sequential.reconcile``); ``error`` when the baseline's scores cannot be read."""
+    from captionflow.evaluation.sequential import reconcile
+
+    run_dir = record.get("against_run")
+    try:
+        theirs = Store(run_dir)
+        their_rows = theirs.read_table(theirs.path("scores.parquet"), columns=["image_id", "cider"]).to_pylist()
+    except (OSError, ValueError, TypeError) as e:
+        return {"error": f"cannot read {run_dir}/scores.parquet: {e}"}
+    result = paired_bootstrap(per_image(rows), per_image(their_rows), metrics=("cider",), n_resamples=n_resamples)
+    if "cider" not in result:
+        return {"error": f"no image scored by both this run and {run_dir}"}
+    return reconcile(record, result["cider"])
 
 
 def clip_per_image(clip_dir: str) -> dict[str, float]:

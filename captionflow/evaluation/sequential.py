@@ -192,9 +192,11 @@ class PrefixVerdict:
         delta: float = 0.0,
         score_name: str = "cider",
         against: str = "",
+        against_run: str = "",
     ):
         self.order = [i for i in order if i in baseline]
         self.baseline, self.score, self.score_name, self.against = baseline, score, score_name, against
+        self.against_run = against_run  # the baseline's run folder
         lo, hi = bounds
         self.cs = ConfidenceSequence(len(self.order), (lo - hi, hi - lo), alpha, delta)
         self.waiting: dict[str, str] = {}  # captions after the prefix's first gap, scored once the prefix reaches them
@@ -234,6 +236,7 @@ class PrefixVerdict:
             "delta": self.cs.delta,
             "score": self.score_name,
             "against": self.against,
+            "against_run": self.against_run,
             "mean_difference": round(float(v.mean), 6),
             "lower": round(float(v.lower), 6),
             "upper": round(float(v.upper), 6),
@@ -250,3 +253,28 @@ def verdict_line(record: dict) -> str:
         f"{r['score']} difference {r['mean_difference']:+.3f}, interval [{r['lower']:+.3f}, {r['upper']:+.3f}]"
         f" against {r['against']})"
     )
+
+
+def reconcile(record: dict, bootstrap: dict) -> dict:
+    """The fixed-sample paired bootstrap's answer (``significance.paired_bootstrap``'s entry for the verdict's score,
+    on the images this run captioned, against the same baseline) beside the sequential verdict ``record``: whether
+    they agree, and a line that says so. They can disagree: the bootstrap's interval holds for a sample fixed in
+    advance and is narrower; the sequence's holds at every stop, so near the edge one detects what the other does
+    not."""
+    decision = record["decision"]
+    expected = decision if decision in ("better", "worse") else "no detectable difference"
+    agrees = bootstrap["verdict"] == expected
+    line = (
+        f"paired bootstrap on the {bootstrap['n_images']:,} images captioned: {bootstrap['verdict']} "
+        f"({record['score']} difference {bootstrap['delta']:+.3f}, 95% [{bootstrap['ci_low']:+.3f}, "
+        f"{bootstrap['ci_high']:+.3f}])"
+    )
+    if agrees:
+        line += f", as the sequential verdict ({decision})"
+    else:
+        line += (
+            f", which DISAGREES with the sequential verdict ({decision}): the bootstrap holds only for a sample fixed "
+            "in advance, the sequential interval at every stop"
+        )
+    return {**{k: bootstrap[k] for k in ("verdict", "delta", "ci_low", "ci_high", "n_images")}, "agrees": agrees,
+            "line": line}  # fmt: skip

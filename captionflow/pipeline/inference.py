@@ -224,6 +224,7 @@ def sequential_verdict(
         cfg.verdict_margin,
         "CIDEr-D",
         against=baseline["model"],
+        against_run=baseline["run_dir"],
     )
 
 

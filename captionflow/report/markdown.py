@@ -242,6 +242,11 @@ def render_report(
         f"- inputs: {c.listed} listed, {c.accepted} accepted, {c.quarantined} quarantined, {c.duplicates} duplicates",
         f"- captioned: {inference.captioned}, failed: {inference.failed}",
         *([f"- sequential verdict: {md_text(verdict_line(metrics['sequential']))}"] if "sequential" in metrics else []),
+        *(
+            [f"- {md_text(b.get('line') or b.get('error', ''))}"]
+            if (b := (metrics.get("sequential") or {}).get("bootstrap"))
+            else []
+        ),
         "- to look at: `report.html` beside this file (thumbnails, side by side with the compared checkpoint, chart)",
         "",
         "## Headline metrics",

@@ -76,6 +76,10 @@ def test_a_sequential_run_stops_once_sure_and_a_full_run_captions_the_rest(prefe
     assert v["trajectory"][-1][0] == v["images_used"] and v["trajectory"][0][0] == 1
     html = Path(seq["report_html"]).read_text(encoding="utf-8")
     assert "id='verdict'" in html and f"worse after {v['images_used']}" in html and "verdict-chart" in html
+    # beside it, the fixed-sample paired bootstrap on the images captioned, against the same baseline
+    boot = v["bootstrap"]
+    assert boot["verdict"] == "worse" and boot["agrees"] and boot["n_images"] == len(captioned)
+    assert "id='verdict-bootstrap'" in html and "as the sequential verdict (worse)" in html
     board = {r["run_dir"]: r for r in pq.read_table(tmp_path / "out" / "leaderboard.parquet").to_pylist()}
     assert board[seq["run_dir"]]["verdict"].startswith(f"worse after {v['images_used']} of {N} images (alpha 0.05")
 

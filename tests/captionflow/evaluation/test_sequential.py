@@ -176,3 +176,24 @@ def test_the_verdict_sees_the_orders_prefix_not_whichever_captions_came_first():
     assert pv.cs.n == 30 and len(seen_scored) == 60  # nor scored
     # images the baseline lacks are not in the population
     assert len(PrefixVerdict(order, dict.fromkeys(ids[:20], "1"), score, (0.0, 1.0)).order) == 20
+
+
+def test_the_fixed_sample_bootstrap_is_said_beside_the_verdict_and_a_disagreement_is_named():
+    from captionflow.evaluation.sequential import reconcile
+    from captionflow.evaluation.significance import paired_bootstrap
+
+    rng = np.random.default_rng(3)
+    ids = [f"i{k}" for k in range(400)]
+    theirs = {i: {"cider": float(x)} for i, x in zip(ids, rng.uniform(0, 2, len(ids)))}
+    worse = {i: {"cider": theirs[i]["cider"] - 0.5 + float(rng.normal(0, 0.1))} for i in ids}
+    boot = paired_bootstrap(worse, theirs, metrics=("cider",))["cider"]
+    assert boot["verdict"] == "worse" and boot["n_images"] == 400
+    record = {"decision": "worse", "score": "CIDEr-D"}
+    same = reconcile(record, boot)
+    assert same["agrees"] and "as the sequential verdict (worse)" in same["line"] and "400 images" in same["line"]
+    for decision in ("better", "equivalent", "continue"):
+        other = reconcile({**record, "decision": decision}, boot)
+        assert not other["agrees"] and f"DISAGREES with the sequential verdict ({decision})" in other["line"]
+    flat = paired_bootstrap(theirs, theirs, metrics=("cider",))["cider"]  # no difference at all
+    assert reconcile({**record, "decision": "equivalent"}, flat)["agrees"]
+    assert not reconcile(record, flat)["agrees"]
