@@ -125,12 +125,37 @@ def _config(args: argparse.Namespace) -> RunConfig:
         raise _UserError(f"invalid parameters: {e}") from None
 
 
+_GUARDED: list[int] = []
+
+
+def _own_temporary_server() -> None:
+    """Without a Prefect API (``PREFECT_API_URL``), Prefect starts a temporary server for the flow, and stops it when
+    this process exits normally; one killed (``kill -9``, the OOM killer) left it running, ~200 MB each. It is started
+    here, before the flow, as Prefect would start it, with a guard process that ends it once this process is gone
+    (``processes.end_with_this_process``)."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    if settings.api.url or not settings.server.ephemeral.enabled or _GUARDED:
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    from captionflow.processes import end_with_this_process
+
+    server = SubprocessASGIServer()  # the instance Prefect's clients use when no API is set
+    server.start()
+    if server.server_process is not None:
+        _GUARDED.append(server.server_process.pid)
+        end_with_this_process(server.server_process.pid)
+
+
 def _flow_call(fn, **kwargs):
     """Run a flow; captionflow's own errors become one line: bad input (a ValueError: dataset, model, options,
     or an output or device that cannot be used) exit status 2, other named failures 1."""
     from captionflow.errors import CaptionflowError, ClusterUnreachable
     from captionflow.preflight import OutputError, PlacementError
 
+    _own_temporary_server()
     try:
         return fn(**kwargs)
     except (ValueError, OutputError, PlacementError, ClusterUnreachable) as e:

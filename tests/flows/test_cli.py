@@ -257,3 +257,52 @@ def test_status_without_a_prefect_api_says_so(tmp_path):
     assert p.returncode == 0, (p.stdout, p.stderr[-3000:])
     assert "PREFECT_API_URL is not set" in p.stdout and "no deployments or runs shown" in p.stdout
     assert "step-1000" in p.stdout  # the board still shows
+
+
+def test_a_killed_runs_temporary_prefect_server_ends_with_it(tmp_path):
+    """Without a Prefect API, a run's temporary Prefect server (~200 MB) outlived a driver killed with kill -9. The
+    run points at an unreachable Ray (a free port), so that nothing else is started before the kill."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    from ports import free_port
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    cmd = [sys.executable, "-m", "flows.cli", "run", "--output", str(tmp_path / "o"), "--device", "cpu"]
+    driver = subprocess.Popen(
+        [*cmd, "--ray-address", f"127.0.0.1:{free_port()}"],
+        cwd=root,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    server = guard = None
+    try:
+        deadline = time.monotonic() + 180
+        while guard is None:
+            assert driver.poll() is None and time.monotonic() < deadline, "no temporary server with a guard came up"
+            for p in psutil.process_iter(["pid", "ppid", "cmdline"]):
+                line = " ".join(p.info["cmdline"] or [])
+                if p.info["ppid"] == driver.pid and "prefect.server.api.server:create_app" in line:
+                    server = p
+                elif "captionflow.processes" in line and f" {driver.pid} " in f" {line} ":
+                    guard = p
+            time.sleep(0.2)
+        assert server is not None
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait(30)
+        gone, alive = psutil.wait_procs([server, guard], timeout=30)
+        assert not alive, f"still running 30 s after the driver was killed: {alive}"
+    finally:
+        for p in [driver, server, guard]:
+            try:
+                if p is not None:
+                    p.kill()
+            except (OSError, psutil.Error):
+                pass
