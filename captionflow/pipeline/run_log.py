@@ -8,7 +8,8 @@ stdout (a vLLM engine writes hundreds of lines; each worker's full output stays 
 - engine ready (vLLM's ``init engine ... took``, captionflow's ``AsyncLLM accepting requests``), model
   loading and compile times, vLLM's throughput lines;
 - errors: a line at vLLM's ERROR level, an exception's last line, a worker killed for memory (at DEBUG from a worker
-  whose stage has every result it waited for: ``engines_at_work``; its shutdown is not the run's error);
+  whose stage has every result it waited for: ``engines_at_work``, or whose engine's client has begun its orderly
+  shutdown: its shutdown is not the run's error);
 - Ray Data's warnings from the driver (``The job may hang forever unless the cluster scales up``);
 - captionflow's own log records (watchdog, cache, lease, service) at INFO and above.
 
@@ -46,6 +47,9 @@ NOISE = [
     # process of the engine had already released (cpython gh-82300), never a fault of the run
     re.compile(r"^KeyError: '/(?:psm_|mp-)[\w-]+'$"),
 ]
+# an engine front end's client shutting its engine down (vLLM's "[shutdown] MPClient: ..." lines): the error lines
+# that follow from that worker are its shutdown's (the output handler meeting its core gone), not the run's
+SHUTTING_DOWN = re.compile(r"\] \[shutdown\] MPClient: ")
 _VLLM_PREFIX = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:INFO|WARNING|ERROR|DEBUG) \d\d-\d\d [\d:]+ \[[^\]]+\] ")
 
 # the current (lines, records) sinks, each a logging.Logger or LoggerAdapter; empty: forward nothing
@@ -98,6 +102,9 @@ def _on_worker_lines(data: dict) -> None:
     for seen in [] if finished else _AT_WORK:
         seen.add(pid)
     for line in data.get("lines") or []:
+        if not finished and SHUTTING_DOWN.search(line):
+            finished = True  # the engine's orderly shutdown: its error lines from here on are not the run's
+            _DONE.add(pid)
         hit = key_line(line)
         if hit:
             level = logging.DEBUG if hit[0] >= logging.ERROR and finished else hit[0]

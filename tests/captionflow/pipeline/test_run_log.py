@@ -93,3 +93,27 @@ def test_a_completed_stage_leaves_no_error_line_from_its_engines_shutdown():
     levels = [(level, t.split(" ")[0]) for level, t in sink.records]
     assert levels == [(logging.ERROR, "engine"), (logging.DEBUG, "engine"), (logging.ERROR, "judge")], sink.records
     assert all("EngineDeadError" in t for _, t in sink.records)  # the resource tracker's KeyErrors dropped
+
+
+def test_an_engines_orderly_shutdown_during_the_wait_leaves_no_error_line_but_a_crash_before_it_does():
+    """An engine whose core has only the worker in it shut down faster, and its front end's output handler logged
+    EngineDeadError while the driver was still taking the stage's last rows: after vLLM's "[shutdown] MPClient"
+    lines a worker's error lines are its shutdown's (DEBUG); before them, errors as ever."""
+    sink = Sink()
+    orderly = [
+        "INFO 11-29 01:09:22 [core_client.py:691] [shutdown] MPClient: stopping engine manager",
+        "ERROR 11-29 01:09:23 [async_llm.py:819] AsyncLLM output_handler failed.",
+        SHUTDOWN[-1],
+    ]
+    with run_log.forward_to(sink):
+        with run_log.engines_at_work():
+            run_log._on_worker_lines({"pid": 9, "actor_name": "engine", "lines": ["RuntimeError: it crashed"]})
+            run_log._on_worker_lines({"pid": 9, "actor_name": "engine", "lines": orderly})
+            run_log._on_worker_lines({"pid": 10, "actor_name": "other", "lines": SHUTDOWN[-1:]})
+    levels = [(level, t.split(": ", 1)[1]) for level, t in sink.records]
+    assert levels == [
+        (logging.ERROR, "RuntimeError: it crashed"),
+        (logging.DEBUG, "AsyncLLM output_handler failed."),
+        (logging.DEBUG, SHUTDOWN[-1]),
+        (logging.ERROR, SHUTDOWN[-1]),
+    ], sink.records
