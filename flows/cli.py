@@ -155,7 +155,6 @@ def _flow_call(fn, **kwargs):
     from captionflow.errors import CaptionflowError, ClusterUnreachable
     from captionflow.preflight import OutputError, PlacementError
 
-    _own_temporary_server()
     try:
         return fn(**kwargs)
     except (ValueError, OutputError, PlacementError, ClusterUnreachable) as e:
@@ -173,12 +172,18 @@ def _check_inputs(cfg: RunConfig, models: list[str] | None = None) -> None:
     _flow_call(check_inputs, cfg=cfg, models=models)
 
 
+def _run_flow(fn, **kwargs):
+    """A flow, after its inputs were checked (``_check_inputs``): with its temporary Prefect server guarded."""
+    _own_temporary_server()
+    return _flow_call(fn, **kwargs)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.caption_flow import caption_flow
 
     cfg = _config(args)
     _check_inputs(cfg)
-    summary = _flow_call(caption_flow, **cfg.model_dump())
+    summary = _run_flow(caption_flow, **cfg.model_dump())
     print(_summary_text(summary))
     if args.summary_json:
         with open(args.summary_json, "w", encoding="utf-8") as fh:
@@ -191,7 +196,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     _check_inputs(cfg, models=list(args.models))
-    result = _flow_call(compare_checkpoints, **cfg.model_dump(), models=tuple(args.models), parallel=args.parallel)
+    result = _run_flow(compare_checkpoints, **cfg.model_dump(), models=tuple(args.models), parallel=args.parallel)
     keys = ("bleu_4", "rouge_l", "cider", "meteor", "judge_mean")
     print(f"{'model':40}" + "".join(f"{k:>12}" for k in keys))
     for row in result["leaderboard"]:
@@ -212,7 +217,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     _check_inputs(cfg, models=[])  # the captions were made elsewhere: no model to check
-    summary = _flow_call(evaluate_captions, **cfg.model_dump(), captions=args.captions, name=args.name)
+    summary = _run_flow(evaluate_captions, **cfg.model_dump(), captions=args.captions, name=args.name)
     print(_summary_text(summary))
     if args.summary_json:
         with open(args.summary_json, "w", encoding="utf-8") as fh:
