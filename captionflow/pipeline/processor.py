@@ -123,7 +123,7 @@ def build_vlm_processor(
     """A Ray Data LLM processor for one VLM: ``preprocess`` turns a dataset row into a request,
     ``postprocess`` the engine's answer into a result row; for a pass of ``rows`` rows, each engine gets at most
     its even share of them in flight at once (``EngineSettings.for_rows``); ``ordered``: the rows come in a
-    sequential verdict's order, and warm engines take them a few blocks at first (``service/feed.py``)."""
+    sequential verdict's order, and warm engines take a batch of rows each at first (``service/feed.py``)."""
     prewarmed()
     if rows is not None:
         engine = engine.for_rows(rows, len(warm.apps) if warm is not None else None)
