@@ -52,9 +52,10 @@ def read_pending(
     ``fitted_folder``), their images fitted to the engine's grid, read from there or fitted once and kept;
     ``ordered``: ``pending``'s order window by window (``rank_windows``: its first rows, enough for one wave of
     every engine, then windows twice as large), each window read from every shard and in order within each read:
-    a sequential verdict's prefix reaches the engines first. Rows of one window can come from several reads at
-    once (the verdict waits for the prefix: ``PrefixVerdict``); one global sort of the image rows (Ray Data's
-    ``sort``) held the first request back 6.5 s on 5,000 images on a 4-GPU host.
+    a sequential verdict's prefix reaches the engines first, and every stage after the read (the engines' too)
+    hands its blocks on in that order (the dataset's own context: not the process's). Rows of one window can come
+    from several reads at once (the verdict waits for the prefix: ``PrefixVerdict``); one global sort of the image
+    rows (Ray Data's ``sort``) held the first request back 6.5 s on 5,000 images on a 4-GPU host.
 
     One read task per shard, named by the manifest: no listing (Ray Data 2.60's ``read_parquet`` first lists
     the files in a task of its own that reads their footers on a pool of actors: two process starts one after
@@ -80,7 +81,14 @@ def read_pending(
         ranked=ordered,
     )
     ds = ds.map_batches(read, batch_size=1, batch_format="pyarrow", **map_task_kwargs(engine))
-    return ds.repartition(target_num_rows_per_block=engine.batch_size)
+    ds = ds.repartition(target_num_rows_per_block=engine.batch_size)
+    if ordered:
+        # every stage after it, the engines' included, hands its blocks on in the order's windows: Ray Data
+        # otherwise hands them on as their tasks finish. Warm, later windows' rows took the first window's place
+        # in the feed's budget (on one H200 the verdict after 24 images came 3.8 s after the gate, 230 rows
+        # back); cold on 2 cores, the block with the order's first image came out last, 56 rows after it
+        ds.context.execution_options.preserve_order = True
+    return ds
 
 
 def rank_windows(n: int, first: int) -> list[tuple[int, int]]:
@@ -212,12 +220,4 @@ def _warm_processor(
         ordered=ordered,
     )
 
-    def requests(ds):
-        if ordered:
-            # the blocks reach the driver in the order's windows (``read_pending``): Ray Data otherwise hands them
-            # on as their tasks finish, and later windows' rows took the first window's place in the feed's budget
-            # (on one H200 the verdict after 24 images came 3.8 s after the gate, 230 rows back)
-            ds.context.execution_options.preserve_order = True
-        return rows(ds.map(processor.preprocess, **processor.preprocess_map_kwargs))
-
-    return requests
+    return lambda ds: rows(ds.map(processor.preprocess, **processor.preprocess_map_kwargs))

@@ -117,14 +117,12 @@ def test_read_pending_gives_the_pending_rows_of_every_shard_in_batches(tmp_path,
     assert rank_windows(10, 3) == [(0, 3), (3, 9), (9, 10)] and rank_windows(0, 3) == []
     order = pending[:-1]
     random.Random(3).shuffle(order)
-    ctx = ray.data.DataContext.get_current()
-    keep = ctx.execution_options.preserve_order
-    ctx.execution_options.preserve_order = True  # the reads' rows in the order the reads were started
-    try:
-        ds = read_pending(fsspec.filesystem("file"), shards, ["image_id", "image"], order, engine, ordered=True)
-        batches = list(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
-    finally:
-        ctx.execution_options.preserve_order = keep
+    assert not ray.data.DataContext.get_current().execution_options.preserve_order
+    ds = read_pending(fsspec.filesystem("file"), shards, ["image_id", "image"], order, engine, ordered=True)
+    # the dataset's own context (its later stages', the engines' too) keeps the windows' order; the process's not
+    assert ds.context.execution_options.preserve_order
+    assert not ray.data.DataContext.get_current().execution_options.preserve_order
+    batches = list(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
     got = [i for b in batches for i in b["image_id"].to_pylist()]
     assert sorted(got) == sorted(order) and all(b.column_names == ["image_id", "image"] for b in batches)
     windows = rank_windows(len(order), engine.batch_size * engine.concurrency)

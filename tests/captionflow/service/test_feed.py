@@ -116,6 +116,8 @@ def caption_rows(builtin_model_dir, tmp_path_factory):
         ds = ray.data.from_items([{"image_id": f"img{i:02d}"} for i in range(12)]).repartition(
             target_num_rows_per_block=2
         )
+        if ordered:  # as an ordered read_pending's dataset: its stages hand blocks on in order
+            ds.context.execution_options.preserve_order = True
         out = processor(ds).map(functools.partial(caption_fixed_schema, model_fp=warm.model_fingerprint, attempt=0))
         if built:  # every request block built before the feed starts: it sends as many as it may at once
             out.requests = out.requests.materialize()
