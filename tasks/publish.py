@@ -16,7 +16,7 @@ from prefect.logging import get_run_logger
 from captionflow.config import RunConfig
 from captionflow.data.storage import Store, open_fs
 from captionflow.evaluation.regression import EVENT, regression
-from captionflow.evaluation.sequential import verdict_line
+from captionflow.evaluation.sequential import bootstrap_line, verdict_line
 from captionflow.report.markdown import evaluated_as, md_text
 from tasks.policy import TIMEOUT_S, retry_transient
 
@@ -100,7 +100,7 @@ def publish_artifacts(summary: dict[str, Any]) -> None:
     if seq:
         create_markdown_artifact(
             markdown=f"**Sequential verdict**: {md_text(verdict_line(seq))}"
-            + (f"\n\n{md_text(b.get('line') or b.get('error', ''))}" if (b := seq.get("bootstrap")) else ""),
+            + (f"\n\n{md_text(line)}" if (line := bootstrap_line(seq)) else ""),
             key="sequential-verdict",
             description="the anytime-valid verdict against the baseline (its interval's trajectory: report.html)",
         )

@@ -278,3 +278,10 @@ def reconcile(record: dict, bootstrap: dict) -> dict:
         )
     return {**{k: bootstrap[k] for k in ("verdict", "delta", "ci_low", "ci_high", "n_images")}, "agrees": agrees,
             "line": line}  # fmt: skip
+
+
+def bootstrap_line(record: dict | None) -> str:
+    """The line of the bootstrap beside a sequential verdict ``record`` (``reconcile``), or why there is none
+    (its ``error``); '' for a record without one."""
+    b = (record or {}).get("bootstrap")
+    return (b.get("line") or b.get("error", "")) if b else ""

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from captionflow.data.layout import shard_paths
 from captionflow.data.storage import Store
-from captionflow.evaluation.sequential import verdict_line
+from captionflow.evaluation.sequential import bootstrap_line, verdict_line
 from captionflow.results import Manifest
 
 THUMB_PX = 160
@@ -216,11 +216,7 @@ def render_html(
             f"<p id='verdict'><b>{_e(verdict_line(seq))}</b>. The interval holds for the mean {_e(seq['score'])} "
             f"difference over all {seq['images_total']:,} images at every image count at once (anytime-valid), "
             "so stopping as soon as it excludes 0 keeps the error rate at alpha.</p>",
-            *(
-                [f"<p id='verdict-bootstrap'>{_e(b.get('line') or b.get('error', ''))}.</p>"]
-                if (b := seq.get("bootstrap"))
-                else []
-            ),
+            *([f"<p id='verdict-bootstrap'>{_e(line)}.</p>"] if (line := bootstrap_line(seq)) else []),
             f"<img id='verdict-chart' alt='the interval narrowing over images' src='data:image/png;base64,"
             f"{base64.b64encode(verdict_png(seq)).decode('ascii')}'>",
         ]

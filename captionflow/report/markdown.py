@@ -11,7 +11,7 @@ import pyarrow as pa
 from captionflow.data.layout import EXTERNAL_GENERATION, LEADERBOARD
 from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
-from captionflow.evaluation.sequential import verdict_line
+from captionflow.evaluation.sequential import bootstrap_line, verdict_line
 from captionflow.results import InferenceResult, Manifest
 
 COMPARED = ("bleu_4", "rouge_l", "cider", "meteor", "judge_mean", "clip_score")
@@ -242,11 +242,7 @@ def render_report(
         f"- inputs: {c.listed} listed, {c.accepted} accepted, {c.quarantined} quarantined, {c.duplicates} duplicates",
         f"- captioned: {inference.captioned}, failed: {inference.failed}",
         *([f"- sequential verdict: {md_text(verdict_line(metrics['sequential']))}"] if "sequential" in metrics else []),
-        *(
-            [f"- {md_text(b.get('line') or b.get('error', ''))}"]
-            if (b := (metrics.get("sequential") or {}).get("bootstrap"))
-            else []
-        ),
+        *([f"- {md_text(line)}"] if (line := bootstrap_line(metrics.get("sequential"))) else []),
         "- to look at: `report.html` beside this file (thumbnails, side by side with the compared checkpoint, chart)",
         "",
         "## Headline metrics",

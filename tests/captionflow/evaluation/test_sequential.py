@@ -197,3 +197,9 @@ def test_the_fixed_sample_bootstrap_is_said_beside_the_verdict_and_a_disagreemen
     flat = paired_bootstrap(theirs, theirs, metrics=("cider",))["cider"]  # no difference at all
     assert reconcile({**record, "decision": "equivalent"}, flat)["agrees"]
     assert not reconcile(record, flat)["agrees"]
+    # what the reports and the artifact say of it: its line, or why there is none
+    from captionflow.evaluation.sequential import bootstrap_line
+
+    assert bootstrap_line({**record, "bootstrap": same}) == same["line"]
+    assert bootstrap_line({**record, "bootstrap": {"error": "no image scored by both"}}) == "no image scored by both"
+    assert bootstrap_line(record) == bootstrap_line(None) == ""
