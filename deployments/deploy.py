@@ -1,15 +1,16 @@
 """Create captionflow's Prefect deployments (what ``captionflow deploy`` runs).
 
-Two deployments of the ``captionflow`` flow, both with every run parameter (a RunConfig field) as a default
-(``enforce_parameter_schema``: the UI's Custom run form is the typed RunConfig, with titles and
-descriptions) and a concurrency limit of 1 whose collision strategy is ENQUEUE: a run that arrives while
-another runs waits for it. A run cannot hold that slot forever: preflight fails at once when the cluster
-cannot place the engines, and a stage that goes ``stall_timeout_s`` without a result fails the run.
+Two deployments of the ``captionflow`` flow, both with every run parameter (a RunConfig field, in its group:
+``flows/parameters.py``) as a default (``enforce_parameter_schema``: the UI's Custom run form is the typed
+RunConfig, a box per group, with titles, descriptions and bounds) and a concurrency limit of 1 whose collision
+strategy is ENQUEUE: a run that arrives while another runs waits for it. A run cannot hold that slot forever:
+preflight fails at once when the cluster cannot place the engines, and a stage that goes ``stall_timeout_s``
+without a result fails the run.
 
 - ``golden-nightly``: a cron schedule (default 02:00 UTC) over the golden set with the configured
   model (point ``model`` at the "latest" checkpoint path or alias);
 - ``on-checkpoint``: an event trigger on ``captionflow.checkpoint.created``; the event's
-  ``payload.uri`` becomes the run's ``model`` parameter (every other parameter keeps the deployment's default).
+  ``payload.uri`` becomes the run's model (every other field keeps the deployment's value).
 
 Emit that event from a training script (``prefect event emit captionflow.checkpoint.created
 --resource-id captionflow.checkpoint.<name> --payload '{"uri": "s3://.../step-2000"}'`` or
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from captionflow.config import RunConfig
+from flows.parameters import flow_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRYPOINT = "flows/caption_flow.py:caption_flow"
@@ -49,8 +51,9 @@ def checkpoint_trigger(base: RunConfig):
     """A deployment trigger: each checkpoint event starts a run with the event's URI as the model."""
     from prefect.events import DeploymentEventTrigger
 
-    # the model only: every other parameter is the deployment's default (Prefect merges top-level parameters)
-    params: dict[str, Any] = {"model": "{{ event.payload.uri }}"}
+    # the model only: every other field is the deployment's (flows/parameters.py: a field a run's group leaves
+    # out takes the deployment's value)
+    params: dict[str, Any] = {"model": {"model": "{{ event.payload.uri }}"}}
     return DeploymentEventTrigger(
         name="captionflow: new checkpoint",
         expect={EVENT},
@@ -287,7 +290,7 @@ def runner_deployments(
     # the worker's PREFECT_HOME (lost with a container or a pod)
     env = results_env(base.output)
     common: dict[str, Any] = {
-        "parameters": base.model_dump(mode="json"),
+        "parameters": flow_parameters(base),
         "concurrency_limit": ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
         "enforce_parameter_schema": True,
         "tags": ["captionflow"],

@@ -13,6 +13,7 @@ from pathlib import Path
 from captionflow.config import RunConfig, grouped_fields, load_config
 from captionflow.evaluation.sequential import verdict_line
 from deployments.deploy import POOL_TYPES
+from flows.parameters import flow_parameters
 from flows.status import cmd_status
 
 
@@ -183,7 +184,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     _check_inputs(cfg)
-    summary = _run_flow(caption_flow, **cfg.model_dump())
+    summary = _run_flow(caption_flow, **flow_parameters(cfg))
     print(_summary_text(summary))
     if args.summary_json:
         with open(args.summary_json, "w", encoding="utf-8") as fh:
@@ -196,7 +197,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     _check_inputs(cfg, models=list(args.models))
-    result = _run_flow(compare_checkpoints, **cfg.model_dump(), models=tuple(args.models), parallel=args.parallel)
+    result = _run_flow(compare_checkpoints, **flow_parameters(cfg), models=tuple(args.models), parallel=args.parallel)
     keys = ("bleu_4", "rouge_l", "cider", "meteor", "judge_mean")
     print(f"{'model':40}" + "".join(f"{k:>12}" for k in keys))
     for row in result["leaderboard"]:
@@ -217,7 +218,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     _check_inputs(cfg, models=[])  # the captions were made elsewhere: no model to check
-    summary = _run_flow(evaluate_captions, **cfg.model_dump(), captions=args.captions, name=args.name)
+    summary = _run_flow(evaluate_captions, **flow_parameters(cfg), captions=args.captions, name=args.name)
     print(_summary_text(summary))
     if args.summary_json:
         with open(args.summary_json, "w", encoding="utf-8") as fh:

@@ -28,7 +28,7 @@ from captionflow.model_source import resolve_model
 from captionflow.pipeline.fanout import EVALUATION_TASK_CPUS
 from captionflow.report.markdown import read_leaderboard
 from flows.caption_flow import caption_flow
-from flows.parameters import with_config_parameters
+from flows.parameters import flow_parameters, with_config_parameters
 from tasks.ingest import ingest_task
 from tasks.preprocess import preprocess_task
 from tasks.results import stage_results
@@ -58,7 +58,7 @@ def compare_checkpoints(config: RunConfig, models: tuple[str, ...] = ("builtin",
     if parallel > 1 and len(models) > 1:
         runs = _in_parallel(config, configs, resolved, parallel)
     else:
-        runs = [caption_flow(**c.model_dump()) for c in configs]
+        runs = [caption_flow(**flow_parameters(c)) for c in configs]
     store = Store(config.output)
     board = read_leaderboard(store)
     wanted = {r["run_dir"] for r in runs}
@@ -70,7 +70,7 @@ def compare_checkpoints(config: RunConfig, models: tuple[str, ...] = ("builtin",
 @task(name="evaluate-checkpoint")
 def evaluate_checkpoint(config: RunConfig) -> dict:
     """One checkpoint's caption flow, in the Ray worker this task runs in (its pipeline joins that worker's Ray)."""
-    return caption_flow(**config.model_dump())
+    return caption_flow(**flow_parameters(config))
 
 
 @flow(name="captionflow-compare-parallel")

@@ -68,9 +68,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                         if due
                         else "not started"
                     )
-                    out.append(
-                        f"    {r.name:<24} {r.state_name or '-':<10} {when}  model {r.parameters.get('model', '-')}"
-                    )
+                    model = (r.parameters.get("model") or {}).get("model", "-")  # the model group's model
+                    out.append(f"    {r.name:<24} {r.state_name or '-':<10} {when}  model {model}")
             autos = [a for a in client.read_automations() if a.name.startswith("captionflow:")]
             out.append(
                 f"automations ({len(autos)}): "

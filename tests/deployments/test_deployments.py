@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from captionflow.config import RunConfig, grouped_fields
+from captionflow.config import GROUPS, RunConfig
 
 
 def _flush_events():
@@ -30,32 +30,37 @@ def test_deploy_creates_schedule_trigger_and_typed_form(prefect_api, tmp_path):
         assert nightly.global_concurrency_limit is not None and nightly.global_concurrency_limit.limit == 1
         # one run at a time on the pool, across both deployments (each deployment's own limit let them overlap)
         assert client.read_work_pool(nightly.work_pool_name).concurrency_limit == 1
-        assert nightly.parameters["output"] == str(tmp_path / "out")
-        props = nightly.parameter_openapi_schema["properties"]
-        assert set(props) == set(RunConfig.model_fields)  # one parameter per field, each described
-        assert all(p.get("description") for p in props.values())
-        assert "hub id" in props["model"]["description"] and props["device"]["enum"] == ["auto", "cpu", "gpu"]
-        # the form is grouped: fields in GROUPS order, each description led by its group
+        assert nightly.parameters["data"]["output"] == str(tmp_path / "out")
+        schema = nightly.parameter_openapi_schema
+        props, groups = schema["properties"], schema["definitions"]
+        # the form is grouped: a parameter per group in GROUPS order, each a described box of its fields in
+        # GROUPS order, every field of RunConfig once
         in_form = sorted(props, key=lambda k: props[k]["position"])
-        assert in_form == [name for _, name, _ in grouped_fields()]
-        assert all(props[name]["description"].startswith(f"{g} · ") for g, name, _ in grouped_fields())
+        assert in_form == [g.lower() for g in GROUPS]
+        fields = {}
+        for g, names in GROUPS.items():
+            assert props[g.lower()]["$ref"] == f"#/definitions/{g}" and groups[g]["description"]
+            assert list(groups[g]["properties"]) == list(names)
+            fields.update(groups[g]["properties"])
+        assert sorted(fields) == sorted(RunConfig.model_fields)
+        assert "hub id" in fields["model"]["description"] and fields["device"]["enum"] == ["auto", "cpu", "gpu"]
         # every bound RunConfig has is in the form, and the server refuses a value outside it
         keywords = {"Ge": "minimum", "Le": "maximum", "Gt": "exclusiveMinimum", "Lt": "exclusiveMaximum"}
         for name, field in RunConfig.model_fields.items():
             for m in field.metadata:
                 if type(m).__name__ in keywords:
-                    assert keywords[type(m).__name__] in str(props[name]), (name, props[name])
-        assert props["max_tokens"]["minimum"] == 1 and props["top_p"]["exclusiveMinimum"] == 0
-        for bad in ({"max_tokens": 0}, {"top_p": 0}, {"seed": -1}):
+                    assert keywords[type(m).__name__] in str(fields[name]), (name, fields[name])
+        assert fields["max_tokens"]["minimum"] == 1 and fields["top_p"]["exclusiveMinimum"] == 0
+        for bad in ({"max_tokens": 0}, {"top_p": 0}, {"seed": -1}, {"no_such_field": 1}):
             with pytest.raises(Exception, match="Validation failed|validation"):
-                client.create_flow_run_from_deployment(nightly.id, parameters=bad)
+                client.create_flow_run_from_deployment(nightly.id, parameters={"generation": bad})
         on_ckpt = client.read_deployment(ids["on-checkpoint"])
         automations = client.read_resource_related_automations(f"prefect.deployment.{on_ckpt.id}")
         assert len(automations) == 1
         trig = automations[0].trigger
         assert EVENT in trig.expect
         action = automations[0].actions[0]
-        assert action.parameters == {"model": "{{ event.payload.uri }}"}  # the rest: the deployment's
+        assert action.parameters == {"model": {"model": "{{ event.payload.uri }}"}}  # the rest: the deployment's
 
 
 def test_watcher_announces_each_checkpoint_once(prefect_api, tmp_path):
@@ -107,28 +112,93 @@ def test_checkpoint_event_starts_a_run_with_that_model(prefect_api, tmp_path):
             all_runs = client.read_flow_runs(
                 deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[uuid.UUID(ids["on-checkpoint"])]))
             )
-            runs = [r for r in all_runs if r.parameters.get("model") == uri]
+            runs = [r for r in all_runs if r.parameters.get("model", {}).get("model") == uri]
             time.sleep(1)
     assert len(runs) == 1, "the checkpoint event did not create exactly one flow run"
-    assert runs[0].parameters["model"] == uri
-    assert runs[0].parameters["output"] == str(tmp_path / "out")  # the deployment's, kept
+    assert runs[0].parameters["model"]["model"] == uri
+    assert runs[0].parameters["data"]["output"] == str(tmp_path / "out")  # the deployment's, kept
 
 
-def test_a_custom_run_that_sets_one_parameter_keeps_the_deployments_others(prefect_api, tmp_path):
-    """Prefect merges top-level parameters: setting max_tokens alone must not drop the deployment's dataset,
-    model or output (it did with one nested config parameter)."""
+def test_a_custom_run_that_sets_one_field_keeps_the_deployments_others(prefect_api, tmp_path):
+    """Prefect merges top-level parameters: a run that gives ``generation: {max_tokens: 16}`` replaces the
+    deployment's whole generation group, and must still run with the deployment's prompt, dataset and output.
+    The run is executed in this process by Prefect's own flow engine, as the deployment's run."""
+    from prefect import flow
     from prefect.client.orchestration import get_client
+    from prefect.flow_engine import run_flow
 
     from deployments.deploy import deploy
+    from flows.parameters import with_config_parameters
 
-    base = RunConfig(output=str(tmp_path / "out"), dataset=str(tmp_path / "golden"), max_tokens=48)
+    @flow(name="captionflow-config-probe")
+    @with_config_parameters()
+    def probe(config: RunConfig) -> dict:
+        return config.model_dump(mode="json")
+
+    base = RunConfig(
+        output=str(tmp_path / "out"), dataset=str(tmp_path / "golden"), max_tokens=48, prompt="Name the colours."
+    )
     ids = deploy(base, work_pool=f"pool-{uuid.uuid4().hex[:6]}")
     with get_client(sync_client=True) as client:
-        run = client.create_flow_run_from_deployment(uuid.UUID(ids["golden-nightly"]), parameters={"max_tokens": 16})
-        params = client.read_flow_run(run.id).parameters
-    assert params["max_tokens"] == 16
-    assert params["output"] == str(tmp_path / "out") and params["dataset"] == str(tmp_path / "golden")
-    assert RunConfig(**params).model == base.model
+        given = {"generation": {"max_tokens": 16}}
+        run = client.create_flow_run_from_deployment(uuid.UUID(ids["golden-nightly"]), parameters=given)
+        run = client.read_flow_run(run.id)
+    assert run.parameters["generation"] == {"max_tokens": 16}  # the server's merge: the group replaced
+    assert run.parameters["data"]["output"] == str(tmp_path / "out")  # the groups it did not give: the deployment's
+    config = run_flow(probe, flow_run=run, parameters=run.parameters)
+    assert config == {**base.model_dump(mode="json"), "max_tokens": 16}  # every other field the deployment's
+    # outside a deployment's run, a field left out is RunConfig's default
+    assert probe(generation={"max_tokens": 16}) == {**RunConfig().model_dump(mode="json"), "max_tokens": 16}
+
+
+def test_the_custom_run_form_in_a_browser_shows_a_box_per_group_with_its_fields(tmp_path):
+    """The UI's Custom run page of a deployment, as a real chromium renders it from a real ``prefect server
+    start`` (the test harness's server serves no UI): each group a titled box holding its fields (the flat form
+    was one list of 56 "(Optional)" fields with no headers)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    from ports import free_port
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from deployments.deploy import deploy
+    from tests.support.browser import FormLabels, rendered_dom
+
+    ui = f"http://127.0.0.1:{free_port()}"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "PREFECT_API_URL": f"{ui}/api"}
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    with open(tmp_path / "server.log", "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", ui.rsplit(":", 1)[1]],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{ui}/api/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None, (tmp_path / "server.log").read_text()
+                time.sleep(0.5)
+        with temporary_settings({PREFECT_API_URL: f"{ui}/api"}):
+            ids = deploy(RunConfig(output=str(tmp_path / "out")), work_pool=f"pool-{uuid.uuid4().hex[:6]}")
+        dom = rendered_dom(f"{ui}/deployments/deployment/{ids['golden-nightly']}/run", tmp_path / "profile")
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+    expected = []  # (label, boxes around it): the parameters' own box holds the groups' boxes
+    for g, names in GROUPS.items():
+        expected.append((f"{g.lower()} (Optional)", 1))
+        expected += [(f"{RunConfig.model_fields[n].title} (Optional)", 2) for n in names]
+    assert FormLabels(dom).labels == expected
+    assert "Where the images (and reference captions) come from" in dom  # the group's description under its name
 
 
 def _event_of(client, resource_id: str, name: str, timeout_s: float = 60) -> dict:
@@ -228,7 +298,7 @@ def test_deploy_to_docker_and_kubernetes_pools_runs_the_image_without_a_host_pat
                 d = client.read_deployment(ids[name])
                 assert d.job_variables["image"] == "registry.example/captionflow:1.2"
                 assert d.entrypoint == "flows.caption_flow.caption_flow" and not d.pull_steps and not d.path
-                assert d.parameters["output"] == "s3://bucket/out"
+                assert d.parameters["data"]["output"] == "s3://bucket/out"
         if pool_type == "kubernetes":
             pod = wp.base_job_template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
             assert pod["volumes"][0]["emptyDir"]["medium"] == "Memory"
@@ -294,7 +364,7 @@ def test_prefect_yaml_deploys_exactly_what_captionflow_deploy_creates(prefect_ap
     with get_client(sync_client=True) as client:
         by_yaml = {name: _snapshot(client, client.read_deployment_by_name(f"captionflow/{name}").id) for name in ids}
     assert by_yaml == by_api
-    assert by_api["on-checkpoint"]["trigger"][2] == {"model": "{{ event.payload.uri }}"}
+    assert by_api["on-checkpoint"]["trigger"][2] == {"model": {"model": "{{ event.payload.uri }}"}}
 
 
 def test_a_watcher_every_n_seconds_waits_out_an_api_outage_and_announces_after_it(prefect_api, tmp_path):

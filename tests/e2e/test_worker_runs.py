@@ -19,6 +19,7 @@ from processes import wait_engines_gone
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
+PROMPT = "Name the main object."  # the deployment's, not RunConfig's default
 
 
 def _readme_commands() -> dict[str, list[str]]:
@@ -41,7 +42,7 @@ def worker_pool(prefect_api, tmp_path_factory):
 
     home = tmp_path_factory.mktemp("worker")
     out = home / "out"
-    (home / "golden.yaml").write_text(f"output: {out}\ndevice: cpu\nmax_tokens: 16\n")
+    (home / "golden.yaml").write_text(f"output: {out}\ndevice: cpu\nmax_tokens: 16\nprompt: {PROMPT}\n")
     commands = _readme_commands()
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONUNBUFFERED": "1"}
     made = subprocess.run(
@@ -90,13 +91,17 @@ def _history(client, run_id) -> list[str]:
     return [s.name for s in client.read_flow_run_states(run_id)]
 
 
-def test_a_custom_run_setting_only_max_tokens_writes_to_the_deployments_root(worker_pool):
+def test_a_custom_run_setting_only_max_tokens_keeps_the_deployments_other_values(worker_pool):
+    """The run gives ``generation: {max_tokens: 8}``, which replaces the deployment's whole generation group on
+    the server (Prefect merges top-level parameters): it runs with the deployment's prompt, output and device."""
     from prefect.client.orchestration import get_client
 
     ids, out, log = worker_pool
     before = _files(REPO / "captionflow-out")  # a user's own `make run` may have left its demo run there
     with get_client(sync_client=True) as client:
-        run = client.create_flow_run_from_deployment(uuid.UUID(ids["golden-nightly"]), parameters={"max_tokens": 8})
+        run = client.create_flow_run_from_deployment(
+            uuid.UUID(ids["golden-nightly"]), parameters={"generation": {"max_tokens": 8}}
+        )
         run = _wait(client, run.id, lambda s: s.is_final(), 900, log)
         assert run.state.is_completed(), (run.state.message, log.read_text()[-4000:])
         summary = run.state.result()
@@ -112,7 +117,8 @@ def test_a_custom_run_setting_only_max_tokens_writes_to_the_deployments_root(wor
     run_json = Path(summary["run_dir"]) / "run.json"
     import json
 
-    assert json.loads(run_json.read_text())["generation"]["max_tokens"] == 8
+    generation = json.loads(run_json.read_text())["generation"]
+    assert generation["max_tokens"] == 8 and generation["prompt"] == PROMPT
 
 
 def test_a_gpu_run_on_a_cpu_worker_fails_fast_naming_the_gpu(worker_pool):
@@ -125,7 +131,9 @@ def test_a_gpu_run_on_a_cpu_worker_fails_fast_naming_the_gpu(worker_pool):
     ids, _, log = worker_pool
     t0 = time.monotonic()
     with get_client(sync_client=True) as client:
-        run = client.create_flow_run_from_deployment(uuid.UUID(ids["golden-nightly"]), parameters={"device": "gpu"})
+        run = client.create_flow_run_from_deployment(
+            uuid.UUID(ids["golden-nightly"]), parameters={"engine": {"device": "gpu"}}
+        )
         run = _wait(client, run.id, lambda s: s.is_final(), 600, log)
         assert run.state.is_failed(), run.state
         tasks = {t.name.rsplit("-", 1)[0]: t for t in client.read_task_runs() if t.flow_run_id == run.id}
@@ -142,7 +150,9 @@ def test_a_cancelled_run_ends_cancelled_without_passing_through_crashed(worker_p
     started = time.time()
     with get_client(sync_client=True) as client:
         # a new generation setting: inference runs (not cached), so the run is cancelled mid-work
-        run = client.create_flow_run_from_deployment(uuid.UUID(ids["golden-nightly"]), parameters={"max_tokens": 12})
+        run = client.create_flow_run_from_deployment(
+            uuid.UUID(ids["golden-nightly"]), parameters={"generation": {"max_tokens": 12}}
+        )
         _wait(client, run.id, lambda s: s.is_running(), 600, log)
         time.sleep(15)  # into the stages
         client.set_flow_run_state(run.id, Cancelling(message="cancelled by the test"), force=True)

@@ -235,6 +235,7 @@ def test_status_lists_the_last_runs_failed_and_cancelled_included_not_the_schedu
     text = capsys.readouterr().out
     block = text[text.index("captionflow/golden-nightly") :].split("\n  captionflow/")[0]
     assert "failed-one" in block and "Failed" in block and "cancelled-one" in block and "Cancelled" in block
+    assert "model builtin" in block  # the model group's model
     assert "future-" not in block.replace("next run", "")  # no scheduled run among the last runs
     assert f"next run: {(now + datetime.timedelta(days=1)).date().isoformat()}" in block
 

@@ -157,13 +157,15 @@ def test_prometheus_and_grafana():
 
 def test_prefect_yaml_matches_the_flow():
     spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
-    from captionflow.config import RunConfig
+    from captionflow.config import GROUPS, RunConfig
 
     for dep in spec["deployments"]:
         module, func = dep["entrypoint"].rsplit(".", 1)  # the image's installed package: no host path
         path = ROOT / (module.replace(".", "/") + ".py")
         assert f"def {func}(" in path.read_text() and dep["pull"] == []
-        RunConfig(**dep["parameters"])  # the parameters validate against the typed form
+        # the parameters validate against the typed form: a group per GROUPS entry, every field once
+        assert list(dep["parameters"]) == [g.lower() for g in GROUPS]
+        RunConfig(**{k: v for group in dep["parameters"].values() for k, v in group.items()})
         assert dep["enforce_parameter_schema"] and dep["concurrency_limit"] == {
             "limit": 1,
             "collision_strategy": "ENQUEUE",
@@ -174,7 +176,7 @@ def test_prefect_yaml_matches_the_flow():
     assert names["golden-nightly"]["schedules"][0]["cron"]
     trig = names["on-checkpoint"]["triggers"][0]
     assert trig["expect"] == ["captionflow.checkpoint.created"]
-    assert trig["parameters"] == {"model": "{{ event.payload.uri }}"}  # the rest: the deployment's
+    assert trig["parameters"] == {"model": {"model": "{{ event.payload.uri }}"}}  # the rest: the deployment's
 
 
 def test_wheelhouse_scripts_parse():

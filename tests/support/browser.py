@@ -26,8 +26,8 @@ def chromium() -> str:
     return found
 
 
-def rendered_dom(page: Path, profile: Path, timeout_s: int = 120) -> str:
-    """The DOM of ``page`` after the browser loaded it and ran its scripts."""
+def rendered_dom(page: Path | str, profile: Path, timeout_s: int = 120) -> str:
+    """The DOM of ``page`` (a file, or a URL) after the browser loaded it and ran its scripts."""
     proc = subprocess.run(
         [
             chromium(),
@@ -35,7 +35,7 @@ def rendered_dom(page: Path, profile: Path, timeout_s: int = 120) -> str:
             f"--user-data-dir={profile}",
             "--virtual-time-budget=10000",
             "--dump-dom",
-            page.resolve().as_uri(),
+            page.resolve().as_uri() if isinstance(page, Path) else page,
         ],
         capture_output=True,
         text=True,
@@ -89,3 +89,38 @@ class DomCounts(HTMLParser):
     def handle_endtag(self, tag):
         if tag == "table" and self._tables:
             self._tables.pop()
+
+
+VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+
+
+class FormLabels(HTMLParser):
+    """The labels of a Prefect UI schema form, in order, each with how many object boxes (a nested parameter's
+    ``schema-form-property-object``) it sits in: ``labels`` = [(text, depth)]."""
+
+    def __init__(self, dom: str):
+        super().__init__()
+        self.labels: list[tuple[str, int]] = []
+        self._open: list[bool] = []  # per open element: is it an object box
+        self._label: list[str] | None = None
+        self.feed(dom)
+
+    def handle_starttag(self, tag, attrs):
+        classes = (dict(attrs).get("class") or "").split()
+        if tag == "span" and "schema-form-property__label" in classes:
+            self._label = []
+        if tag not in VOID:
+            self._open.append("schema-form-property-object" in classes)
+
+    def handle_endtag(self, tag):
+        if tag in VOID:
+            return
+        if self._label is not None and tag == "span":
+            self.labels.append(("".join(self._label).strip(), sum(self._open[:-1])))
+            self._label = None
+        if self._open:
+            self._open.pop()
+
+    def handle_data(self, data):
+        if self._label is not None:
+            self._label.append(data)
