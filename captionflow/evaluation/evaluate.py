@@ -106,7 +106,7 @@ def evaluate(
         add_significance(metrics["comparison"], score_rows, compared_rows, bootstrap_resamples)
         if metrics.get("sequential"):
             metrics["sequential"]["bootstrap"] = bootstrap_beside_verdict(
-                metrics["sequential"], score_rows, bootstrap_resamples
+                metrics["sequential"], score_rows, bootstrap_resamples, read=_compared_by_run(metrics, compared_rows)
             )
     store.write_json(metrics, *run, "metrics.json")
     store.write_text(render_report(model_source, manifest, inference, metrics, score_rows), *run, "report.md")
@@ -160,17 +160,28 @@ def write_html_report(
     store.write_text(page, *run, "report.html")
 
 
-def bootstrap_beside_verdict(record: dict, rows: list[dict], n_resamples: int) -> dict:
+def _compared_by_run(metrics: dict, compared_rows: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """The scores already read of the runs the comparison names, by their run folder."""
+    comparison = metrics.get("comparison") or {}
+    return {comparison[k]["run_dir"]: rows for k, rows in compared_rows.items() if comparison.get(k)}
+
+
+def bootstrap_beside_verdict(
+    record: dict, rows: list[dict], n_resamples: int, read: dict[str, list[dict]] | None = None
+) -> dict:
     """The fixed-sample paired bootstrap of the verdict's score against the sequential verdict's own baseline, on the
-    images captioned (``sequential.reconcile``); ``error`` when the baseline's scores cannot be read."""
+    images captioned (``sequential.reconcile``); ``error`` when the baseline's scores cannot be read. ``read``: the
+    scores rows of runs already read, by run folder (the baseline is often the previous or the best run)."""
     from captionflow.evaluation.sequential import reconcile
 
     run_dir = record.get("against_run")
-    try:
-        theirs = Store(run_dir)
-        their_rows = theirs.read_table(theirs.path("scores.parquet"), columns=["image_id", "cider"]).to_pylist()
-    except (OSError, ValueError, TypeError) as e:
-        return {"error": f"cannot read {run_dir}/scores.parquet: {e}"}
+    their_rows = (read or {}).get(run_dir)
+    if their_rows is None:
+        try:
+            theirs = Store(run_dir)
+            their_rows = theirs.read_table(theirs.path("scores.parquet"), columns=["image_id", "cider"]).to_pylist()
+        except (OSError, ValueError, TypeError) as e:
+            return {"error": f"cannot read {run_dir}/scores.parquet: {e}"}
     result = paired_bootstrap(per_image(rows), per_image(their_rows), metrics=("cider",), n_resamples=n_resamples)
     if "cider" not in result:
         return {"error": f"no image scored by both this run and {run_dir}"}

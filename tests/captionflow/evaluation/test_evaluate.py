@@ -61,3 +61,25 @@ def test_a_folder_is_sliced_by_its_sub_folders(tmp_path):
     page = DomCounts((tmp_path / "out" / "/".join(run) / "report.html").read_text(encoding="utf-8"))
     assert page.rows["images"] == 4 and len(page.images) == 4 + 1  # report_images thumbnails and the chart
     assert all(src.startswith("data:image/jpeg;base64,") for src in page.images[1:])
+
+
+def test_the_bootstrap_beside_the_verdict_uses_the_baselines_scores_already_read(tmp_path):
+    """The sequential verdict's baseline is often the previous or the best run, whose scores the comparison has
+    read: they are used, not read again; a baseline not among them is read from its folder."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from captionflow.evaluation.evaluate import bootstrap_beside_verdict
+
+    rng = np.random.default_rng(5)
+    ids = [f"i{k:03d}" for k in range(200)]
+    theirs = [{"image_id": i, "cider": float(x)} for i, x in zip(ids, rng.uniform(1, 2, len(ids)))]
+    mine = [{"image_id": r["image_id"], "cider": r["cider"] - 0.8} for r in theirs]
+    record = {"decision": "worse", "score": "CIDEr-D", "against_run": str(tmp_path / "baseline")}
+    # never written: only the rows given can answer
+    got = bootstrap_beside_verdict(record, mine, 200, read={record["against_run"]: theirs})
+    assert got["verdict"] == "worse" and got["agrees"] and got["n_images"] == 200
+    assert "cannot read" in bootstrap_beside_verdict(record, mine, 200, read={str(tmp_path / "other"): theirs})["error"]
+    (tmp_path / "baseline").mkdir()
+    pq.write_table(pa.Table.from_pylist(theirs), tmp_path / "baseline" / "scores.parquet")
+    assert bootstrap_beside_verdict(record, mine, 200) == got  # read from its folder: the same answer
