@@ -27,9 +27,10 @@ from captionflow.config import GROUPS, RunConfig
 # what each group's box in the form says under its name
 GROUP_DESCRIPTIONS = {
     "Data": "Where the images (and reference captions) come from, how they are read and sharded, and the output.",
-    "Model": "The checkpoint to caption with.",
+    "Model": "The checkpoint to caption with, and the image size it sees.",
     "Generation": "The prompts and sampling of each caption.",
-    "Evaluation": "Scores beside the reference metrics (judge, pairwise, CLIPScore) and the verdict.",
+    "Evaluation": "Scores beside the reference metrics (judge, pairwise, CLIPScore), the verdict, the "
+    "comparison's bootstrap, the report's images and the regression alert.",
     "Engine": "How the vLLM engines are sized and placed (unset: the device preset's).",
     "Cluster": "The Ray cluster the run joins or starts.",
     "Reliability": "Retries, commits, leases, stalls and the run's deadline.",

@@ -163,8 +163,10 @@ class WarmRows:
                         await window.wait_for(lambda n=n: budget["out"] == 0 or budget["out"] + n <= budget["allowed"])
                         budget["out"] += n
                     await slots.acquire()
-                    if stop.is_set():
+                    if stop.is_set():  # not sent: neither in flight nor in the window
                         slots.release()
+                        async with window:
+                            budget["out"] -= n
                         break
                     order = [(turn + k) % len(handles) for k in range(len(handles))]
                     turn = (turn + 1) % len(handles)
