@@ -190,10 +190,10 @@ class RunConfig(BaseModel):
     verdict: Literal["full", "sequential"] = Field(
         "full",
         title="Verdict: the full set, or stop as soon as it is sure",
-        description="'sequential': caption the dataset in a seeded random order and compare each image's CIDEr-D "
-        "(IDF from all the references) with verdict_against's, through an anytime-valid confidence sequence for "
-        "the mean difference over the whole set; captioning stops once it says better, worse or (with "
-        "verdict_margin) equivalent. Needs references. The same run with 'full' later captions the rest.",
+        description="'sequential': caption the dataset in a seeded random order and compare each image's "
+        "verdict_score with verdict_against's, through an anytime-valid confidence sequence for the mean "
+        "difference over the whole set; captioning stops once it says better, worse or (with verdict_margin) "
+        "equivalent. The same run with 'full' later captions the rest.",
     )
     verdict_against: str = Field(
         "previous",
@@ -201,6 +201,13 @@ class RunConfig(BaseModel):
         description="The baseline of the sequential verdict: 'previous' or 'best' (comparable runs: same dataset, "
         "same generation settings), a checkpoint evaluated on this dataset or a run folder (external captions "
         "imported with captionflow evaluate too). Without one yet, the run captions the full set.",
+    )
+    verdict_score: Literal["auto", "cider", "clip"] = Field(
+        "auto",
+        title="Sequential verdict: score",
+        description="The per-image score the sequential verdict compares: 'cider' (CIDEr-D, the IDF from all the "
+        "references; needs references), 'clip' (CLIPScore against the image by clip_model; no references "
+        "needed), 'auto': CIDEr-D where the dataset has references, else CLIPScore where clip_model is set.",
     )
     verdict_alpha: float = Field(
         0.05,
@@ -214,9 +221,9 @@ class RunConfig(BaseModel):
         0.0,
         ge=0.0,
         le=10.0,
-        title="Sequential verdict: equivalence margin (CIDEr-D)",
-        description="Stop with 'equivalent' once the mean CIDEr-D difference over the set is surely within "
-        "+/- this; 0: no equivalence verdict.",
+        title="Sequential verdict: equivalence margin",
+        description="Stop with 'equivalent' once the mean difference of verdict_score over the set is surely "
+        "within +/- this (CIDEr-D is on 0-10, CLIPScore on 0-2.5); 0: no equivalence verdict.",
     )
     clip_model: Optional[str] = Field(
         None,
@@ -380,6 +387,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "pairwise_against",
         "verdict",
         "verdict_against",
+        "verdict_score",
         "verdict_alpha",
         "verdict_margin",
         "clip_model",

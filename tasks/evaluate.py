@@ -31,6 +31,7 @@ def _key(
             list(inference.run_parts),
             inference.captioned,
             inference.failed,
+            inference.verdict,  # a sequential verdict's record (its baseline or score may change on a rerun)
             judge and judge.judged,
             pairwise and [pairwise.pairwise_dir, pairwise.judged],
             clip and [clip.clip_dir, clip.scored],

@@ -28,7 +28,11 @@ from tasks.results import record_stage, validated
 log = logging.getLogger("captionflow.inference")
 
 
-def _key(cfg: RunConfig, manifest: Manifest, checked: PreflightResult) -> str:
+def _key(cfg: RunConfig, manifest: Manifest, checked: PreflightResult) -> Optional[str]:
+    """None for a sequential verdict: its baseline ('previous', 'best') moves as runs land, and a run whose
+    captions are all committed decides from them without captioning (no engines start)."""
+    if cfg.verdict == "sequential":
+        return None
     return "-".join(caption_run_parts(cfg, manifest, checked.model, checked.engine)[1:])
 
 
@@ -227,7 +231,7 @@ def inference_task(cfg: RunConfig, manifest: Manifest, checked: PreflightResult)
     at_risk = functools.partial(emit_at_risk, cfg, store.url(*run), deadline) if deadline else None
     progress = ProgressArtifact(store.path(*run), deadline=deadline, at_risk=at_risk)
     try:
-        result = run_inference(cfg, manifest, checked.model, checked.engine, progress)
+        result = run_inference(cfg, manifest, checked.model, checked.engine, progress, checked.clip)
     except BaseException as e:
         progress.failed(e)
         raise

@@ -170,22 +170,33 @@ def bootstrap_beside_verdict(
     record: dict, rows: list[dict], n_resamples: int, read: dict[str, list[dict]] | None = None
 ) -> dict:
     """The fixed-sample paired bootstrap of the verdict's score against the sequential verdict's own baseline, on the
-    images captioned (``sequential.reconcile``); ``error`` when the baseline's scores cannot be read. ``read``: the
-    scores rows of runs already read, by run folder (the baseline is often the previous or the best run)."""
+    images captioned (``sequential.reconcile``); ``error`` when the baseline's scores cannot be read. CIDEr-D: the
+    baseline's scores.parquet (``read``: the scores rows of runs already read, by run folder; the baseline is often
+    the previous or the best run); CLIPScore: the baseline's scores by the same CLIP checkpoint (its run folder's
+    ``clip/<checkpoint fingerprint>``), which a baseline run without clip_model lacks."""
     from captionflow.evaluation.sequential import reconcile
 
-    run_dir = record.get("against_run")
-    their_rows = (read or {}).get(run_dir)
+    run_dir, metric = record.get("against_run"), record.get("metric", "cider")
+    if metric == "clip_score":
+        theirs = record["baseline_scores"]
+        try:
+            their_rows = [{"image_id": i, "clip_score": s} for i, s in clip_per_image(theirs).items()]
+        except (OSError, ValueError, TypeError) as e:
+            return {"error": f"cannot read the baseline's CLIPScores {theirs}: {e}"}
+        if not their_rows:
+            return {"error": f"the baseline has no CLIPScores by {record.get('clip_model')} ({theirs})"}
+    else:
+        their_rows = (read or {}).get(run_dir)
     if their_rows is None:
         try:
             theirs = Store(run_dir)
             their_rows = theirs.read_table(theirs.path("scores.parquet"), columns=["image_id", "cider"]).to_pylist()
         except (OSError, ValueError, TypeError) as e:
             return {"error": f"cannot read {run_dir}/scores.parquet: {e}"}
-    result = paired_bootstrap(per_image(rows), per_image(their_rows), metrics=("cider",), n_resamples=n_resamples)
-    if "cider" not in result:
+    result = paired_bootstrap(per_image(rows), per_image(their_rows), metrics=(metric,), n_resamples=n_resamples)
+    if metric not in result:
         return {"error": f"no image scored by both this run and {run_dir}"}
-    return reconcile(record, result["cider"])
+    return reconcile(record, result[metric])
 
 
 def clip_per_image(clip_dir: str) -> dict[str, float]:

@@ -193,10 +193,14 @@ class PrefixVerdict:
         score_name: str = "cider",
         against: str = "",
         against_run: str = "",
+        metric: str = "cider",
+        extra: dict | None = None,
     ):
         self.order = [i for i in order if i in baseline]
         self.baseline, self.score, self.score_name, self.against = baseline, score, score_name, against
         self.against_run = against_run  # the baseline's run folder
+        self.metric = metric  # the score's per-image column (scores.parquet), for the bootstrap beside the verdict
+        self.extra = extra or {}  # more of the record (a CLIPScore verdict's checkpoint and its baseline's scores)
         lo, hi = bounds
         self.cs = ConfidenceSequence(len(self.order), (lo - hi, hi - lo), alpha, delta)
         self.waiting: dict[str, str] = {}  # captions after the prefix's first gap, scored once the prefix reaches them
@@ -235,6 +239,8 @@ class PrefixVerdict:
             "alpha": self.cs.alpha,
             "delta": self.cs.delta,
             "score": self.score_name,
+            "metric": self.metric,
+            **self.extra,
             "against": self.against,
             "against_run": self.against_run,
             "mean_difference": round(float(v.mean), 6),

@@ -9,19 +9,26 @@ preprocessed shards are read with Ray Data and scored by an actor that loads the
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import time
+from collections.abc import Iterable
+
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from captionflow.config import RunConfig
 from captionflow.data.layout import SCORES, read_captions, shard_paths
 from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
+from captionflow.errors import DatasetError
 from captionflow.model_source import ClipModel
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.ledger import Ledger, run_passes
 from captionflow.pipeline.processor import read_pending
 from captionflow.pipeline.session import ray_session
 from captionflow.results import ClipResult, InferenceResult, Manifest
-from captionflow.workers.clip_rows import CLIP_SCHEMA, ClipScorer
+from captionflow.workers.clip_rows import CLIP_SCHEMA, ClipScorer, clip_scores
 
 CLIP_BATCH = 32
 
@@ -75,3 +82,41 @@ def run_clip(
         mean=sum(values) / len(values) if values else None,
         seconds=round(time.perf_counter() - t0, 2),
     )
+
+
+class PrefixClipScore:
+    """CLIPScore in the driver, for a sequential verdict (``evaluation/sequential.PrefixVerdict``'s ``score``):
+    captions -> each one's CLIPScore against its image, by the ClipScorer the clip-score stage runs in Ray workers
+    (the same checkpoint, the same shard images: the verdict's scores are the stage's). The checkpoint and the
+    images of ``ids`` (one read of the shards' image column) load in a background thread while the run's requests
+    start; each image's embedding is computed once, the first time either side's caption of it is scored, and
+    serves the other side too (its bytes are dropped then)."""
+
+    def __init__(self, clip: ClipModel, store: Store, shards: list[str], ids: Iterable[str]):
+        threads = min(4, max(1, (os.cpu_count() or 2) // 4))  # the engines and their feed have the rest
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="captionflow-clip")
+        self._ready = pool.submit(self._load, clip.path, store, shards, sorted(ids), threads)
+        pool.shutdown(wait=False)
+        self._embedded: dict = {}
+
+    @staticmethod
+    def _load(path: str, store: Store, shards: list[str], ids: list[str], threads: int):
+        scorer = ClipScorer(path, {}, threads=threads)
+        t = store.read_tables(shards, columns=["image_id", "image"])
+        t = t.filter(pc.is_in(t["image_id"], value_set=pa.array(ids, pa.string())))
+        return scorer, dict(zip(t["image_id"].to_pylist(), t["image"].to_pylist()))
+
+    def __call__(self, captions: dict[str, str]) -> dict[str, float]:
+        import torch
+
+        scorer, raw = self._ready.result()
+        new = [i for i in captions if i not in self._embedded]
+        if new:
+            images, errors = scorer.decode(new, [raw.pop(i) for i in new])
+            if errors:
+                image_id, error = next(iter(errors.items()))
+                raise DatasetError(f"verdict CLIPScore: image {image_id}: {error}")
+            self._embedded.update(zip(new, scorer.embed_images([images[i] for i in new])))
+        ids = list(captions)
+        text = scorer.embed_texts([captions[i] for i in ids])
+        return dict(zip(ids, clip_scores(torch.stack([self._embedded[i] for i in ids]), text)))

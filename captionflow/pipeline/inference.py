@@ -28,7 +28,8 @@ from captionflow.errors import BaselineError, DatasetError, RowsFailed
 from captionflow.evaluation.cider import BOUNDS as CIDER_BOUNDS
 from captionflow.evaluation.cider import FixedIdfCider
 from captionflow.evaluation.sequential import PrefixVerdict, seeded_order, verdict_line
-from captionflow.model_source import ResolvedModel
+from captionflow.model_source import ClipModel, ResolvedModel
+from captionflow.pipeline.clip_score import PrefixClipScore
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.ledger import Ledger, Progress, run_passes
 from captionflow.pipeline.pairwise import resolve_baseline
@@ -38,6 +39,7 @@ from captionflow.pipeline.session import ray_session
 from captionflow.pipeline.staging import staged
 from captionflow.results import InferenceResult, Manifest
 from captionflow.service import runs as service
+from captionflow.workers.clip_rows import BOUNDS as CLIP_BOUNDS
 from captionflow.workers.llm_rows import CAPTION_SCHEMA, caption_fixed_schema, caption_request, to_caption
 
 log = logging.getLogger("captionflow.inference")
@@ -82,9 +84,11 @@ def run_inference(
     model: ResolvedModel,
     engine: EngineSettings,
     progress: Optional[Progress] = None,
+    clip: Optional[ClipModel] = None,
 ) -> InferenceResult:
-    """Caption every accepted row not yet captioned. Rows that still failed after every pass are counted;
-    more than ``max_failure_rate`` of them raises RowsFailed (with the result)."""
+    """Caption every accepted row not yet captioned (``clip``: the CLIP checkpoint of a CLIPScore verdict). Rows
+    that still failed after every pass are counted; more than ``max_failure_rate`` of them raises RowsFailed (with
+    the result)."""
     t_start = time.perf_counter()
     store = Store(cfg.output)
     run = caption_run_parts(cfg, manifest, model, engine)
@@ -123,7 +127,7 @@ def run_inference(
         reused = reuse_captions(store, run, ledger, all_ids - done, done)
         if progress:  # the folder is ours: an earlier attempt on it that did not finish is over
             progress(len(done & all_ids), len(done & all_ids), len(all_ids), 0.0)
-        verdict = sequential_verdict(cfg, store, run, shards, all_ids) if cfg.verdict == "sequential" else None
+        verdict = sequential_verdict(cfg, store, run, shards, all_ids, clip) if cfg.verdict == "sequential" else None
         if verdict is not None:
             verdict.observe(read_captions(store, run))  # a rerun or resume continues the same order's prefix
         if all_ids - done and not (verdict and verdict.decided):
@@ -188,43 +192,65 @@ def run_inference(
 
 
 def sequential_verdict(
-    cfg: RunConfig, store: Store, run: tuple[str, ...], shards: list[str], ids: set[str]
+    cfg: RunConfig,
+    store: Store,
+    run: tuple[str, ...],
+    shards: list[str],
+    ids: set[str],
+    clip: Optional[ClipModel] = None,
 ) -> Optional[PrefixVerdict]:
     """The run's sequential verdict against ``verdict_against`` (``evaluation/sequential.py``): the golden set's
-    images with references and a baseline caption, in an order seeded by the dataset and the baseline run, each
-    scored (both sides, as the prefix reaches it) by CIDEr-D with the IDF of all the references
-    (``evaluation/cider.py``). None (the full set, said in
-    the log) while no baseline exists yet; DatasetError for a dataset without references."""
+    images with a baseline caption (and references, for CIDEr-D), in an order seeded by the dataset and the baseline
+    run, each scored (both sides, as the prefix reaches it) by ``verdict_score``: CIDEr-D with the IDF of all the
+    references (``evaluation/cider.py``) or CLIPScore by ``clip`` (``clip_score.PrefixClipScore``). None (the full
+    set, said in the log) while no baseline exists yet; DatasetError for a dataset the score cannot score."""
     baseline = resolve_baseline(store, run, cfg.verdict_against, what="verdict_against")
     if baseline is None:
         log.info("verdict sequential: no %s comparable run yet, so the full set is captioned", cfg.verdict_against)
         return None
-    data = store.read_tables(shards, columns=["image_id", "references"])
-    refs = {i: r for i, r in zip(data["image_id"].to_pylist(), data["references"].to_pylist()) if r} if data else {}
-    if not refs:
+    refs: dict[str, list[str]] = {}
+    if cfg.verdict_score in ("auto", "cider"):
+        data = store.read_tables(shards, columns=["image_id", "references"])
+        refs = {i: r for i, r in zip(data["image_id"].to_pylist(), data["references"].to_pylist()) if r} if data else {}
+    score = "clip" if cfg.verdict_score == "clip" else "cider" if refs else "clip" if clip else None
+    if score is None:
         raise DatasetError(
             f"verdict sequential: the dataset {cfg.dataset} has no reference captions to score CIDEr-D against "
-            "(give a caption_column, or use verdict full)"
+            "(give a caption_column, set clip_model for a CLIPScore verdict, or use verdict full)"
         )
-    theirs = {i: c for i, c in read_captions(Store(baseline["run_dir"]), ()).items() if i in ids and i in refs}
+    if score == "clip" and clip is None:  # preflight says so first; here for a caller without it
+        raise DatasetError("verdict sequential: verdict_score clip needs clip_model")
+    population = refs if score == "cider" else ids
+    theirs = {i: c for i, c in read_captions(Store(baseline["run_dir"]), ()).items() if i in ids and i in population}
     if not theirs:
         raise BaselineError(f"verdict_against: the run {baseline['run_dir']} has no captions of this dataset's images")
-    # the references' document frequencies are counted while the run's requests start (~1.7 s for 5,000 images
-    # on 2 cores); the first captions to score wait for them
-    idf = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="captionflow-idf")
-    cider = idf.submit(FixedIdfCider, refs)
-    idf.shutdown(wait=False)
     order = seeded_order(sorted(theirs), f"{run[1]}:{baseline['run_dir'].rstrip('/')}")
+    if score == "cider":
+        # the references' document frequencies are counted while the run's requests start (~1.7 s for 5,000
+        # images on 2 cores); the first captions to score wait for them
+        idf = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="captionflow-idf")
+        cider = idf.submit(FixedIdfCider, refs)
+        idf.shutdown(wait=False)
+        scorer, bounds, name, extra = (lambda captions: cider.result().scores(captions)), CIDER_BOUNDS, "CIDEr-D", {}
+    else:
+        scorer, bounds, name = PrefixClipScore(clip, store, shards, theirs), CLIP_BOUNDS, "CLIPScore"
+        # where the bootstrap beside the verdict finds the baseline's CLIPScores by the same checkpoint
+        extra = {
+            "clip_model": clip.source,
+            "baseline_scores": f"{baseline['run_dir'].rstrip('/')}/clip/{clip.fingerprint}",
+        }
     return PrefixVerdict(
         order,
         theirs,
-        lambda captions: cider.result().scores(captions),
-        CIDER_BOUNDS,
+        scorer,
+        bounds,
         cfg.verdict_alpha,
         cfg.verdict_margin,
-        "CIDEr-D",
+        name,
         against=baseline["model"],
         against_run=baseline["run_dir"],
+        metric="cider" if score == "cider" else "clip_score",
+        extra=extra,
     )
 
 

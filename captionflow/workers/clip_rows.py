@@ -12,6 +12,7 @@ import io
 import pyarrow as pa
 
 CLIP_WEIGHT = 2.5
+BOUNDS = (0.0, CLIP_WEIGHT)
 CLIP_SCHEMA = pa.schema(
     [("image_id", pa.string()), ("clip_score", pa.float64()), ("error", pa.string()), ("attempt", pa.int64())]
 )
@@ -33,35 +34,51 @@ class ClipScorer:
         self.captions, self.attempt = captions, attempt
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        ids = batch.column("image_id").to_pylist()
+        images, errors = self.decode(ids, batch.column("image").to_pylist())
+        rows = [self._row(i, None, e) for i, e in errors.items()]
+        ok = [i for i in ids if i in images]
+        if ok:
+            img = self.embed_images([images[i] for i in ok])
+            txt = self.embed_texts([self.captions.get(i, "") for i in ok])
+            rows += [self._row(i, s, "") for i, s in zip(ok, clip_scores(img, txt))]
+        return pa.Table.from_pylist(rows, schema=CLIP_SCHEMA)
+
+    @staticmethod
+    def decode(ids: list[str], data: list[bytes]) -> tuple[dict, dict[str, str]]:
+        """image id -> its RGB image, and image id -> why it could not be decoded."""
         from PIL import Image
 
-        ids = batch.column("image_id").to_pylist()
-        rows, images, ok = [], [], []
-        for image_id, data in zip(ids, batch.column("image").to_pylist()):
+        images, errors = {}, {}
+        for image_id, raw in zip(ids, data):
             try:
-                with Image.open(io.BytesIO(data)) as im:
-                    images.append(im.convert("RGB"))
-                ok.append(image_id)
+                with Image.open(io.BytesIO(raw)) as im:
+                    images[image_id] = im.convert("RGB")
             except Exception as e:  # a shard image is already checked: this is a surprise, kept as the row's error
-                rows.append(self._row(image_id, None, f"cannot decode the preprocessed image: {e}"))
-        if ok:
-            torch = self.torch
-            text = self.tokenizer(
-                [self.captions.get(i, "") for i in ok],
-                padding=True,
-                truncation=True,
-                max_length=self.max_len,
-                return_tensors="pt",
-            )
-            pixels = self.images(images=images, return_tensors="pt")["pixel_values"]
-            with torch.inference_mode():
-                img = self.model.get_image_features(pixel_values=pixels)
-                txt = self.model.get_text_features(input_ids=text["input_ids"], attention_mask=text["attention_mask"])
-                img = getattr(img, "pooler_output", img)
-                txt = getattr(txt, "pooler_output", txt)
-                cos = torch.nn.functional.cosine_similarity(img, txt, dim=-1)
-            rows += [self._row(i, CLIP_WEIGHT * max(float(c), 0.0), "") for i, c in zip(ok, cos.tolist())]
-        return pa.Table.from_pylist(rows, schema=CLIP_SCHEMA)
+                errors[image_id] = f"cannot decode the preprocessed image: {e}"
+        return images, errors
+
+    def embed_images(self, images: list):
+        """The image tower's embeddings (one row per image)."""
+        pixels = self.images(images=images, return_tensors="pt")["pixel_values"]
+        with self.torch.inference_mode():
+            img = self.model.get_image_features(pixel_values=pixels)
+        return getattr(img, "pooler_output", img)
+
+    def embed_texts(self, captions: list[str]):
+        """The text tower's embeddings (one row per caption, truncated to the tower's context)."""
+        text = self.tokenizer(captions, padding=True, truncation=True, max_length=self.max_len, return_tensors="pt")
+        with self.torch.inference_mode():
+            txt = self.model.get_text_features(input_ids=text["input_ids"], attention_mask=text["attention_mask"])
+        return getattr(txt, "pooler_output", txt)
 
     def _row(self, image_id: str, score, error: str) -> dict:
         return {"image_id": image_id, "clip_score": score, "error": error, "attempt": self.attempt}
+
+
+def clip_scores(image_embeddings, text_embeddings) -> list[float]:
+    """CLIPScore of each (image, caption) row pair: 2.5 x max(cosine, 0)."""
+    import torch
+
+    cos = torch.nn.functional.cosine_similarity(image_embeddings, text_embeddings, dim=-1)
+    return [CLIP_WEIGHT * max(float(c), 0.0) for c in cos.tolist()]

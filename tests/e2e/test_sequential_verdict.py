@@ -104,3 +104,16 @@ def test_a_sequential_run_stops_once_sure_and_a_full_run_captions_the_rest(prefe
     assert full["run_dir"] == seq["run_dir"] and full["resumed_from"] == len(captioned)
     assert len(everything) == N and len(set(everything)) == N and set(captioned) <= set(everything)
     assert "sequential" not in full["metrics"]
+
+    # CLIPScore as the verdict's score, on the folder every image of which is captioned: the inference stage is not
+    # taken from the cache (its baseline may have moved), nothing is captioned again, the verdict is in from the
+    # committed captions, scored in the driver by the CLIP checkpoint that the clip-score stage runs too
+    assert main([*run, str(tmp_path / "clip.json"), "--verdict", "sequential", "--verdict-score", "clip",
+                 "--clip-model", "builtin"]) == 0  # fmt: skip
+    clip = json.loads((tmp_path / "clip.json").read_text())
+    c = clip["metrics"]["sequential"]
+    assert c["score"] == "CLIPScore" and c["metric"] == "clip_score" and c["images_total"] == N
+    assert c["decision"] != "continue" and c["trajectory"][-1][0] == c["images_used"] and c["clip_model"] == "builtin"
+    assert clip["metrics"]["clip"]["scored"] == N and sorted(_caption_rows(clip["run_dir"])) == sorted(everything)
+    # the teacher's imported captions have no CLIPScores: the bootstrap beside the verdict says so
+    assert "the baseline has no CLIPScores by builtin" in c["bootstrap"]["error"]

@@ -27,8 +27,13 @@ def _judge_like(rng, n):
     return rng.choice([1, 2, 3, 4, 5], size=n, p=[0.1, 0.2, 0.3, 0.25, 0.15]).astype(float)
 
 
+def _clip_like(rng, n):
+    """Per-image CLIPScores as a real CLIP gives them: 2.5 x a cosine near 0.3, narrow beside the score's bounds."""
+    return np.clip(2.5 * rng.normal(0.31, 0.04, n), 0, 2.5)
+
+
 # primary scores and their bounds: (score lo, score hi) -> differences within (lo - hi, hi - lo)
-SCORES = {"cider": (_cider_like, (0.0, 10.0)), "judge": (_judge_like, (1.0, 5.0))}
+SCORES = {"cider": (_cider_like, (0.0, 10.0)), "judge": (_judge_like, (1.0, 5.0)), "clip": (_clip_like, (0.0, 2.5))}
 
 
 def _null_population(rng, make, n):

@@ -1,4 +1,5 @@
-"""The reference-free score: the built-in CLIP, the scorer actor, and the pass through real Ray Data."""
+"""The reference-free score: the built-in CLIP, the scorer actor, the pass through real Ray Data, and CLIPScore as
+the sequential verdict's score."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from captionflow.config import RunConfig
 from captionflow.data.layout import CAPTIONS, run_parts
 from captionflow.data.sources import ingest
 from captionflow.data.storage import Store
-from captionflow.errors import ModelError
+from captionflow.errors import DatasetError, ModelError
+from captionflow.evaluation.evaluate import bootstrap_beside_verdict, clip_per_image
 from captionflow.model_source import resolve_clip
-from captionflow.pipeline.clip_score import run_clip
+from captionflow.pipeline.clip_score import PrefixClipScore, run_clip
+from captionflow.pipeline.inference import sequential_verdict
 from captionflow.pipeline.preprocess import preprocess
-from captionflow.preflight import preflight
+from captionflow.preflight import OptionError, check_inputs, preflight
 from captionflow.results import InferenceResult
 from captionflow.workers.clip_rows import CLIP_WEIGHT, ClipScorer
 from captionflow.workers.llm_rows import CAPTION_SCHEMA
@@ -55,23 +58,39 @@ def test_a_clip_model_that_is_not_one_is_refused_before_any_work(tmp_path):
         resolve_clip(str(tmp_path))
 
 
-def test_every_caption_is_scored_through_ray_data_and_a_rerun_scores_none_again(tmp_path):
+def _dataset(tmp_path, **options):
+    """Five plain images (no references), preprocessed; the run's checks, its store, shards and image ids."""
     (tmp_path / "ds").mkdir()
-    for colour in ("red", "green", "blue", "white", "black"):
+    for colour in COLOURS:
         Image.new("RGB", (40, 30), colour).save(tmp_path / "ds" / f"{colour}.png")
-    cfg = RunConfig(dataset=str(tmp_path / "ds"), output=str(tmp_path / "out"), device="cpu", clip_model="builtin")
+    cfg = RunConfig(
+        dataset=str(tmp_path / "ds"), output=str(tmp_path / "out"), device="cpu", clip_model="builtin", **options
+    )
     checked = preflight(cfg)
     manifest = preprocess(ingest(cfg), cfg)
     store = Store(cfg.output)
-    ids = store.ids([store.path("datasets", manifest.dataset_fingerprint, "shards", s) for s in manifest.shards])
-    run = run_parts(manifest.dataset_fingerprint, "m", "g")
+    shards = [store.path("datasets", manifest.dataset_fingerprint, "shards", s) for s in manifest.shards]
+    return cfg, checked, manifest, store, shards, store.ids(shards)
+
+
+def _captioned(store, manifest, model_fp: str, captions: dict[str, str]) -> InferenceResult:
+    """A run folder of ``model_fp`` holding ``captions``, as inference commits them."""
+    run = run_parts(manifest.dataset_fingerprint, model_fp, "g")
     rows = [
-        {"image_id": i, "caption": f"caption {n}", "finish_reason": "stop", "num_input_tokens": 1,
-         "num_output_tokens": 1, "model_fingerprint": "m", "error": "", "attempt": 0}
-        for n, i in enumerate(sorted(ids))
+        {"image_id": i, "caption": c, "finish_reason": "stop", "num_input_tokens": 1, "num_output_tokens": 1,
+         "model_fingerprint": model_fp, "error": "", "attempt": 0}
+        for i, c in sorted(captions.items())
     ]  # fmt: skip
     store.write_table(pa.Table.from_pylist(rows, schema=CAPTION_SCHEMA), *run, CAPTIONS, "part-0.parquet")
-    inference = InferenceResult(store.url(*run), run, 5, 5, 0, 0, [], {})
+    return InferenceResult(store.url(*run), run, len(rows), len(rows), 0, 0, [], {})
+
+
+COLOURS = ("red", "green", "blue", "white", "black")
+
+
+def test_every_caption_is_scored_through_ray_data_and_a_rerun_scores_none_again(tmp_path):
+    cfg, checked, manifest, store, _, ids = _dataset(tmp_path)
+    inference = _captioned(store, manifest, "m", {i: f"caption {n}" for n, i in enumerate(sorted(ids))})
     res = run_clip(cfg, manifest, inference, checked.clip, checked.engine)
     assert res.scored == 5 and res.failed == 0 and 0.0 <= res.mean <= CLIP_WEIGHT
     scores = pq.read_table(f"{res.clip_dir}/scores").to_pylist()
@@ -81,3 +100,49 @@ def test_every_caption_is_scored_through_ray_data_and_a_rerun_scores_none_again(
     assert (
         again.mean == res.mean and sorted(p.name for p in (tmp_path / "out").rglob("clip/*/scores/*.parquet")) == files
     )
+
+
+def test_a_clipscore_verdict_scores_both_sides_as_the_clip_stage_does(tmp_path):
+    """A dataset without references: the sequential verdict's score is CLIPScore (verdict_score auto, clip_model
+    set), computed in the driver by the stage's scorer on the same shard images; the bootstrap beside it reads the
+    baseline's scores by the same CLIP checkpoint."""
+    cfg, checked, manifest, store, shards, ids = _dataset(tmp_path)
+    order = sorted(ids)
+    mine = {i: f"a {c} square" if n % 2 else "a photo of a dog" for n, (i, c) in enumerate(zip(order, COLOURS))}
+    theirs = dict.fromkeys(order, "something else entirely")
+    runs = {"m": _captioned(store, manifest, "m", mine), "base": _captioned(store, manifest, "base", theirs)}
+    staged = {
+        k: clip_per_image(run_clip(cfg, manifest, r, checked.clip, checked.engine).clip_dir) for k, r in runs.items()
+    }
+
+    scorer = PrefixClipScore(checked.clip, store, shards, ids)
+    got = scorer({i: mine[i] for i in order[:2]}) | scorer({i: mine[i] for i in order[2:]})
+    got_theirs = scorer(theirs)  # the images' embeddings from the first calls
+    for side, expected in ((got, staged["m"]), (got_theirs, staged["base"])):
+        assert side.keys() == ids and all(abs(side[i] - expected[i]) < 1e-5 for i in ids)
+    assert len({round(v, 6) for v in got.values()}) > 1  # not one value for every caption
+
+    seq = cfg.model_copy(update={"verdict": "sequential", "verdict_against": runs["base"].run_dir})
+    verdict = sequential_verdict(seq, store, runs["m"].run_parts, shards, ids, checked.clip)
+    verdict.observe(mine)
+    rec = verdict.record()
+    assert rec["score"] == "CLIPScore" and rec["metric"] == "clip_score" and rec["images_total"] == 5
+    assert rec["images_used"] == 5 and rec["clip_model"] == "builtin"
+    difference = sum(staged["m"][i] - staged["base"][i] for i in ids) / 5
+    assert abs(rec["mean_difference"] - difference) < 1e-5
+    rows = [{"image_id": i, "clip_score": s} for i, s in staged["m"].items()]
+    boot = bootstrap_beside_verdict(rec, rows, 200)
+    assert boot["n_images"] == 5 and abs(boot["delta"] - difference) < 1e-9
+    # the baseline without CLIPScores by this checkpoint: said, not a crash
+    assert (
+        "has no CLIPScores by builtin"
+        in bootstrap_beside_verdict({**rec, "baseline_scores": str(tmp_path)}, rows, 9)["error"]
+    )
+
+    # without references: CIDEr-D asked for, or no clip_model to fall back on, is a one-line error naming the fix
+    with pytest.raises(DatasetError, match="no reference captions to score CIDEr-D against"):
+        sequential_verdict(seq.model_copy(update={"verdict_score": "cider"}), store, runs["m"].run_parts, shards, ids)
+    with pytest.raises(DatasetError, match="set clip_model for a CLIPScore verdict"):
+        sequential_verdict(seq, store, runs["m"].run_parts, shards, ids, None)
+    with pytest.raises(OptionError, match="verdict_score clip needs clip_model"):
+        check_inputs(seq.model_copy(update={"verdict_score": "clip", "clip_model": None}))
