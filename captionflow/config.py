@@ -200,14 +200,17 @@ class RunConfig(BaseModel):
         title="Sequential verdict against",
         description="The baseline of the sequential verdict: 'previous' or 'best' (comparable runs: same dataset, "
         "same generation settings), a checkpoint evaluated on this dataset or a run folder (external captions "
-        "imported with captionflow evaluate too). Without one yet, the run captions the full set.",
+        "imported with captionflow evaluate too). Without one yet, the run captions the full set. A pairwise "
+        "verdict's baseline is pairwise_against's.",
     )
-    verdict_score: Literal["auto", "cider", "clip"] = Field(
+    verdict_score: Literal["auto", "cider", "clip", "pairwise"] = Field(
         "auto",
         title="Sequential verdict: score",
         description="The per-image score the sequential verdict compares: 'cider' (CIDEr-D, the IDF from all the "
         "references; needs references), 'clip' (CLIPScore against the image by clip_model; no references "
-        "needed), 'auto': CIDEr-D where the dataset has references, else CLIPScore where clip_model is set.",
+        "needed), 'pairwise' (the pairwise judge's win against pairwise_against: the set is captioned in full, "
+        "the judging stops once sure), 'auto': CIDEr-D where the dataset has references, else CLIPScore where "
+        "clip_model is set.",
     )
     verdict_alpha: float = Field(
         0.05,
@@ -223,7 +226,8 @@ class RunConfig(BaseModel):
         le=10.0,
         title="Sequential verdict: equivalence margin",
         description="Stop with 'equivalent' once the mean difference of verdict_score over the set is surely "
-        "within +/- this (CIDEr-D is on 0-10, CLIPScore on 0-2.5); 0: no equivalence verdict.",
+        "within +/- this (CIDEr-D is on 0-10, CLIPScore on 0-2.5, a pairwise verdict's win rate minus 0.5 on "
+        "-0.5-0.5); 0: no equivalence verdict.",
     )
     clip_model: Optional[str] = Field(
         None,

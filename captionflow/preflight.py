@@ -90,10 +90,13 @@ def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
 def check_inputs(cfg: RunConfig, models: list[str] | None = None) -> None:
     """What needs neither Ray, an engine, a download nor a Prefect server: the output root can be written, the
     dataset exists, each local model folder (``models``; default the run's model and judge) exists, the engine
-    arguments are vLLM's, a CLIPScore verdict has its CLIP model. The command line runs it before it starts a flow,
-    so that a user error is one line and starts nothing; preflight runs it first."""
+    arguments are vLLM's, a CLIPScore verdict has its CLIP model, a pairwise one its baseline. The command line
+    runs it before it starts a flow, so that a user error is one line and starts nothing; preflight runs it
+    first."""
     if cfg.verdict == "sequential" and cfg.verdict_score == "clip" and not cfg.clip_model:
         raise OptionError("verdict_score clip needs clip_model (a local CLIP checkpoint folder, or builtin)")
+    if cfg.verdict == "sequential" and cfg.verdict_score == "pairwise" and not cfg.pairwise_against:
+        raise OptionError("verdict_score pairwise needs pairwise_against (the baseline the judge compares with)")
     check_output(cfg.output)
     check_dataset(cfg.dataset)
     if models is None:

@@ -151,10 +151,12 @@ class PairwiseResult:
     passes: list[PassResult]
     seconds: float
     note: str = ""
+    verdict: Optional[dict] = None  # the sequential verdict on the judge (evaluation/sequential.PrefixVerdict.record)
 
     def headline(self) -> dict:
         d = asdict(self)
         d.pop("passes")
+        d.pop("verdict")  # the metrics' "sequential"
         return d
 
 

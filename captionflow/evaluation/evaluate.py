@@ -54,8 +54,8 @@ def evaluate(
     stats = length_stats([r["caption"] for r in rows], [r["finish_reason"] for r in rows], inference.failed, words)
     ref_agg, ref_per = reference_metrics(captions, refs, java=coco_java)
     metrics = {"stats": stats, "health": caption_health(rows, prompts, words), "reference": ref_agg}
-    if inference.verdict:
-        metrics["sequential"] = inference.verdict
+    if inference.verdict or (pairwise and pairwise.verdict):  # on the captions, or on the pairwise judge
+        metrics["sequential"] = inference.verdict or pairwise.verdict
     judged: dict[str, dict] = {}
     if judge:
         metrics["judge"] = judge.headline()
@@ -106,7 +106,11 @@ def evaluate(
         add_significance(metrics["comparison"], score_rows, compared_rows, bootstrap_resamples)
         if metrics.get("sequential"):
             metrics["sequential"]["bootstrap"] = bootstrap_beside_verdict(
-                metrics["sequential"], score_rows, bootstrap_resamples, read=_compared_by_run(metrics, compared_rows)
+                metrics["sequential"],
+                score_rows,
+                bootstrap_resamples,
+                read=_compared_by_run(metrics, compared_rows),
+                win=(metrics.get("pairwise") or {}).get("stats"),
             )
     store.write_json(metrics, *run, "metrics.json")
     store.write_text(render_report(model_source, manifest, inference, metrics, score_rows), *run, "report.md")
@@ -167,16 +171,27 @@ def _compared_by_run(metrics: dict, compared_rows: dict[str, list[dict]]) -> dic
 
 
 def bootstrap_beside_verdict(
-    record: dict, rows: list[dict], n_resamples: int, read: dict[str, list[dict]] | None = None
+    record: dict,
+    rows: list[dict],
+    n_resamples: int,
+    read: dict[str, list[dict]] | None = None,
+    win: dict | None = None,
 ) -> dict:
     """The fixed-sample paired bootstrap of the verdict's score against the sequential verdict's own baseline, on the
     images captioned (``sequential.reconcile``); ``error`` when the baseline's scores cannot be read. CIDEr-D: the
     baseline's scores.parquet (``read``: the scores rows of runs already read, by run folder; the baseline is often
     the previous or the best run); CLIPScore: the baseline's scores by the same CLIP checkpoint (its run folder's
-    ``clip/<checkpoint fingerprint>``), which a baseline run without clip_model lacks."""
+    ``clip/<checkpoint fingerprint>``), which a baseline run without clip_model lacks; the pairwise win: ``win``, the
+    pairwise stage's win rate with its bootstrap interval (``significance.win_rate``) on the images judged."""
     from captionflow.evaluation.sequential import reconcile
 
     run_dir, metric = record.get("against_run"), record.get("metric", "cider")
+    if metric == "pairwise_score":
+        if not win or win.get("n_images", 0) == 0:
+            return {"error": "no image judged in both orders"}
+        shifted = {k: win[k] - 0.5 for k in ("ci_low", "ci_high")}  # the verdict's scale: the win rate minus 0.5
+        return reconcile(record, {**shifted, "verdict": win["verdict"], "delta": win["win_rate"] - 0.5,
+                                  "n_images": win["n_images"]})  # fmt: skip
     if metric == "clip_score":
         theirs = record["baseline_scores"]
         try:

@@ -174,19 +174,18 @@ def seeded_order(image_ids: list[str], seed: str) -> list[str]:
 
 
 class PrefixVerdict:
-    """The sequential verdict of one run as its captions commit: the golden set's images that have a baseline
-    caption (``baseline``: image id -> the baseline's caption), in ``seeded_order``; ``observe`` takes newly
-    committed captions in any order, scores them (``score``: captions -> per-image scores) and feeds the confidence
-    sequence the differences of the order's *prefix* only - the images up to the first one not yet captioned - never
-    whichever captions finished first (caption length and completion time go together: an early sample would be
-    biased). The baseline's captions are scored as the prefix reaches them, not up front: scoring 5,000 of them
-    took ~5 s on 2 cores before the run's first request could go out. True once the verdict is in."""
+    """The sequential verdict of one run as its results commit: the population's images in ``seeded_order``;
+    ``observe`` takes newly committed values (captions, or judgements) in any order and feeds the confidence
+    sequence the per-image differences (``differences``: a prefix's values -> image id -> this run's score minus
+    the baseline's, within ``bounds``) of the order's *prefix* only - the images up to the first one not yet in -
+    never whichever results finished first (caption length and completion time go together: an early sample
+    would be biased). Values beyond the prefix's first gap wait, unscored. True once the verdict is in.
+    ``paired_differences`` makes ``differences`` for a score of both sides' captions."""
 
     def __init__(
         self,
         order: list[str],
-        baseline: dict[str, str],
-        score,
+        differences,
         bounds: tuple[float, float],
         alpha: float = 0.05,
         delta: float = 0.0,
@@ -196,34 +195,33 @@ class PrefixVerdict:
         metric: str = "cider",
         extra: dict | None = None,
     ):
-        self.order = [i for i in order if i in baseline]
-        self.baseline, self.score, self.score_name, self.against = baseline, score, score_name, against
+        self.order = list(order)
+        self._population = set(self.order)
+        self.differences, self.score_name, self.against = differences, score_name, against
         self.against_run = against_run  # the baseline's run folder
         self.metric = metric  # the score's per-image column (scores.parquet), for the bootstrap beside the verdict
         self.extra = extra or {}  # more of the record (a CLIPScore verdict's checkpoint and its baseline's scores)
-        lo, hi = bounds
-        self.cs = ConfidenceSequence(len(self.order), (lo - hi, hi - lo), alpha, delta)
-        self.waiting: dict[str, str] = {}  # captions after the prefix's first gap, scored once the prefix reaches them
+        self.cs = ConfidenceSequence(len(self.order), bounds, alpha, delta)
+        self.waiting: dict = {}  # values after the prefix's first gap, scored once the prefix reaches them
         self.verdict = self.cs.verdict()
 
     @property
     def decided(self) -> bool:
         return self.verdict.decision != "continue"
 
-    def observe(self, captions: dict[str, str]) -> bool:
-        """Only the prefix's captions are scored, as it grows: a caption beyond its first gap waits unscored, and
-        none is scored once the verdict is in. The driver calls this with every row it pulls, between pulls; it
+    def observe(self, values: dict) -> bool:
+        """Only the prefix's values are scored, as it grows: a value beyond its first gap waits unscored, and none
+        is scored once the verdict is in. The driver calls this with every row it pulls, between pulls; it
         scored every row (~2-3 ms each), and on 4 H200s it pulled 1,327 rows for a verdict after 84."""
         if self.decided:
             return True
-        self.waiting.update((i, c) for i, c in captions.items() if i in self.baseline)
+        self.waiting.update((i, v) for i, v in values.items() if i in self._population)
         k, prefix = self.cs.n, []
         while k + len(prefix) < len(self.order) and self.order[k + len(prefix)] in self.waiting:
             prefix.append(self.order[k + len(prefix)])
         if prefix:
-            mine = self.score({i: self.waiting.pop(i) for i in prefix})
-            theirs = self.score({i: self.baseline[i] for i in prefix})
-            self.verdict = self.cs.update([mine[i] - theirs[i] for i in prefix])
+            d = self.differences({i: self.waiting.pop(i) for i in prefix})
+            self.verdict = self.cs.update([d[i] for i in prefix])
         return self.decided
 
     def record(self, points: int = 200) -> dict:
@@ -250,13 +248,37 @@ class PrefixVerdict:
         }
 
 
+def paired_differences(score, baseline: dict[str, str]):
+    """``PrefixVerdict``'s ``differences`` for a score of captions (``score``: captions -> per-image scores) against
+    the baseline's captions (``baseline``: image id -> caption), scored as the prefix reaches them, not up front:
+    scoring 5,000 of them took ~5 s on 2 cores before the run's first request could go out. Its bounds are
+    ``paired_bounds`` of the score's."""
+
+    def differences(mine: dict[str, str]) -> dict[str, float]:
+        a, b = score(mine), score({i: baseline[i] for i in mine})
+        return {i: a[i] - b[i] for i in mine}
+
+    return differences
+
+
+def paired_bounds(bounds: tuple[float, float]) -> tuple[float, float]:
+    """A score within (lo, hi) minus another: within (lo - hi, hi - lo)."""
+    lo, hi = bounds
+    return (lo - hi, hi - lo)
+
+
 def verdict_line(record: dict) -> str:
-    """'worse after 612 of 5,000 images (alpha 0.05, CIDEr-D difference -0.41, interval [-0.62, -0.18])'."""
+    """'worse after 612 of 5,000 images (alpha 0.05, CIDEr-D difference -0.41, interval [-0.62, -0.18] against
+    ...)'; a pairwise verdict gives the win rate and its interval (the differences are the shares minus 0.5)."""
     r = record
     what = {"continue": "undecided", "no difference": "no difference"}.get(r["decision"], r["decision"])
+    if r.get("metric") == "pairwise_score":
+        lo, mean, hi = (0.5 + r[k] for k in ("lower", "mean_difference", "upper"))
+        how = f"{r['score']} {mean:.3f}, interval [{lo:.3f}, {hi:.3f}]"
+    else:
+        how = f"{r['score']} difference {r['mean_difference']:+.3f}, interval [{r['lower']:+.3f}, {r['upper']:+.3f}]"
     return (
-        f"{what} after {r['images_used']:,} of {r['images_total']:,} images (alpha {r['alpha']:g}, "
-        f"{r['score']} difference {r['mean_difference']:+.3f}, interval [{r['lower']:+.3f}, {r['upper']:+.3f}]"
+        f"{what} after {r['images_used']:,} of {r['images_total']:,} images (alpha {r['alpha']:g}, {how}"
         f" against {r['against']})"
     )
 
@@ -270,8 +292,9 @@ def reconcile(record: dict, bootstrap: dict) -> dict:
     decision = record["decision"]
     expected = decision if decision in ("better", "worse") else "no detectable difference"
     agrees = bootstrap["verdict"] == expected
+    done = "judged" if record.get("metric") == "pairwise_score" else "captioned"
     line = (
-        f"paired bootstrap on the {bootstrap['n_images']:,} images captioned: {bootstrap['verdict']} "
+        f"paired bootstrap on the {bootstrap['n_images']:,} images {done}: {bootstrap['verdict']} "
         f"({record['score']} difference {bootstrap['delta']:+.3f}, 95% [{bootstrap['ci_low']:+.3f}, "
         f"{bootstrap['ci_high']:+.3f}])"
     )

@@ -27,7 +27,13 @@ from captionflow.data.storage import Store
 from captionflow.errors import BaselineError, DatasetError, RowsFailed
 from captionflow.evaluation.cider import BOUNDS as CIDER_BOUNDS
 from captionflow.evaluation.cider import FixedIdfCider
-from captionflow.evaluation.sequential import PrefixVerdict, seeded_order, verdict_line
+from captionflow.evaluation.sequential import (
+    PrefixVerdict,
+    paired_bounds,
+    paired_differences,
+    seeded_order,
+    verdict_line,
+)
 from captionflow.model_source import ClipModel, ResolvedModel
 from captionflow.pipeline.clip_score import PrefixClipScore
 from captionflow.pipeline.engine import EngineSettings
@@ -203,7 +209,11 @@ def sequential_verdict(
     images with a baseline caption (and references, for CIDEr-D), in an order seeded by the dataset and the baseline
     run, each scored (both sides, as the prefix reaches it) by ``verdict_score``: CIDEr-D with the IDF of all the
     references (``evaluation/cider.py``) or CLIPScore by ``clip`` (``clip_score.PrefixClipScore``). None (the full
-    set, said in the log) while no baseline exists yet; DatasetError for a dataset the score cannot score."""
+    set, said in the log) while no baseline exists yet, and for a pairwise verdict (the judge's stage decides, on the
+    full set's captions: ``pairwise.pairwise_verdict``); DatasetError for a dataset the score cannot score."""
+    if cfg.verdict_score == "pairwise":
+        log.info("verdict sequential on the pairwise judge: the full set is captioned, the judging stops once sure")
+        return None
     baseline = resolve_baseline(store, run, cfg.verdict_against, what="verdict_against")
     if baseline is None:
         log.info("verdict sequential: no %s comparable run yet, so the full set is captioned", cfg.verdict_against)
@@ -241,9 +251,8 @@ def sequential_verdict(
         }
     return PrefixVerdict(
         order,
-        theirs,
-        scorer,
-        bounds,
+        paired_differences(scorer, theirs),
+        paired_bounds(bounds),
         cfg.verdict_alpha,
         cfg.verdict_margin,
         name,

@@ -123,12 +123,15 @@ def judge_passes(
     out: Callable,
     fixed: Callable,
     fan_out: Optional[Callable[[list[str]], tuple[list[str], Callable]]] = None,
+    order: Optional[list[str]] = None,
+    stop: Optional[Callable[[list[dict]], bool]] = None,
 ) -> list[PassResult]:
     """The passes of a judge that answers through structured output (``regex``, greedy): ``request(row,
     image_prompt=, sampling=, grid=)`` builds each request from a dataset row, ``out(row, attempt=)`` parses the answer,
     ``fixed(row, attempt=)`` gives error rows the ledger's schema. ``fan_out(pending)``, for results that are
     not one per image (pairwise: two orders), gives the images to read and the row -> rows function that
-    makes each image's pending requests."""
+    makes each image's pending requests. ``order`` and ``stop``: a sequential verdict's (``run_passes``): the images
+    go to the engines in that order, and the pass ends once ``stop`` says so."""
     local = ray_session(cfg).started_here
     store = ledger.store
     shards = shard_paths(store, manifest)
@@ -145,12 +148,15 @@ def judge_passes(
             ),
             postprocess=functools.partial(out, attempt=attempt),
             rows=len(pending),
+            ordered=order is not None,
         )
         images, expand = fan_out(pending) if fan_out else (pending, None)
-        ds = read_pending(store.fs, shards, ["image_id", "image", "references"], images, engine, fitted)
+        columns = ["image_id", "image", "references"]
+        ds = read_pending(store.fs, shards, columns, images, engine, fitted, ordered=order is not None)
         if expand:
             ds = ds.flat_map(expand, **map_kwargs)
         return processor(ds).map(functools.partial(fixed, attempt=attempt), **map_kwargs)
 
     with staged(judge.path, engine.compile_dir, local=local) as path:
-        return run_passes(ledger, todo, done, cfg.row_retries, functools.partial(rows_for, judge_path=path))
+        rows = functools.partial(rows_for, judge_path=path)
+        return run_passes(ledger, todo, done, cfg.row_retries, rows, order=order, stop=stop)

@@ -22,6 +22,7 @@ from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
 from captionflow.errors import BaselineError
 from captionflow.evaluation.pairwise_scores import per_image_scores
+from captionflow.evaluation.sequential import PrefixVerdict, seeded_order
 from captionflow.evaluation.significance import win_rate
 from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.engine import EngineSettings
@@ -111,9 +112,13 @@ def run_pairwise(
             note=f"no earlier run on this dataset with these generation settings to take as {cfg.pairwise_against!r}",
         )  # fmt: skip
     candidate, baseline = read_captions(store, run), read_captions(Store(base["run_dir"]), ())
-    todo = {pair_id(i, o) for i in set(candidate) & set(baseline) for o in ORDERS}
+    common = set(candidate) & set(baseline)
+    todo = {pair_id(i, o) for i in common for o in ORDERS}
     parts = pairwise_run_parts(run, judge, engine, base["run_dir"])
     passes = []
+    verdict = judged = None
+    if cfg.verdict == "sequential" and cfg.verdict_score == "pairwise" and common:
+        verdict, judged = pairwise_verdict(cfg, run, base, common), JudgedShares()
     what = f"the pairwise judge folder {store.url(*parts)}"
     with Lease(store, "/".join(parts), what=what, wait_s=cfg.lease_wait_s) as lease:
         ledger = Ledger(
@@ -121,7 +126,11 @@ def run_pairwise(
             stall_timeout_s=cfg.stall_timeout_s, what="pairwise judge",
         )  # fmt: skip
         done = ledger.committed()
-        if todo - done:
+        if verdict is not None:  # a rerun or resume continues the same order's prefix from the judgements committed
+            committed = store.read_unique(store.ls(*parts, SCORES, suffix=".parquet"))
+            verdict.observe(judged.add([r for r in (committed.to_pylist() if committed is not None else [])
+                                        if r["image_id"] in todo]))  # fmt: skip
+        if todo - done and not (verdict and verdict.decided):
             passes = judge_passes(
                 cfg, manifest, judge, engine, ledger, todo, done,
                 regex=PAIRWISE_REGEX,
@@ -130,12 +139,17 @@ def run_pairwise(
                 out=pairwise_out,
                 fixed=pairwise_fixed_schema,
                 fan_out=both_orders_of,
+                order=[pair_id(i, o) for i in verdict.order for o in ORDERS] if verdict else None,
+                stop=(lambda rows: verdict.observe(judged.add(rows))) if verdict else None,
             )  # fmt: skip
     t = store.read_unique(store.ls(*parts, SCORES, suffix=".parquet"))
     rows = [r for r in (t.to_pylist() if t is not None else []) if r["image_id"] in todo]
     per_image = per_image_scores(rows)
     both = {i: s for i, s in per_image.items() if len(s) == len(ORDERS)}
     shares = [sum(s.values()) / len(ORDERS) for s in both.values()]
+    failed = len(todo) - len(rows)
+    if verdict and verdict.decided:  # the judgements the verdict did not need are not failures: the last pass's are
+        failed = passes[-1].failed if passes and passes[-1].stopped else 0
     return PairwiseResult(
         against=cfg.pairwise_against,
         judge_model=judge.source,
@@ -143,7 +157,7 @@ def run_pairwise(
         baseline_run_dir=base["run_dir"],
         pairwise_dir=store.url(*parts),
         judged=len(both),
-        failed=len(todo) - len(rows),
+        failed=failed,
         parse_rate=parse_rate(store, parts, len(rows)),
         wins=sum(1 for x in shares if x == 1.0),
         losses=sum(1 for x in shares if x == 0.0),
@@ -152,9 +166,48 @@ def run_pairwise(
         stats=win_rate(shares, n_resamples=cfg.bootstrap_resamples or 1000, seed=cfg.seed),
         passes=passes,
         seconds=round(time.perf_counter() - t0, 2),
+        verdict=verdict.record() if verdict else None,
     )
 
 
 def both_orders_of(pending: list[str]) -> tuple[list[str], functools.partial]:
-    """The images of pending judgements (``<image_id>#ab|#ba``), and the row -> pending requests function."""
-    return sorted({split_pair_id(p)[0] for p in pending}), functools.partial(both_orders, pending=frozenset(pending))
+    """The images of pending judgements (``<image_id>#ab|#ba``), in the order of their first pending judgement,
+    and the row -> pending requests function."""
+    images = list(dict.fromkeys(split_pair_id(p)[0] for p in pending))
+    return images, functools.partial(both_orders, pending=frozenset(pending))
+
+
+def pairwise_verdict(cfg: RunConfig, run: tuple[str, ...], base: dict, images: set[str]) -> PrefixVerdict:
+    """The sequential verdict on the pairwise judge (``verdict sequential``, ``verdict_score pairwise``): the images
+    both runs captioned, judged in an order seeded by the dataset and the baseline run; an image's value is this
+    run's share of its two judgements (1 won both, 0.5 split or tied, 0 lost both), its difference from an even
+    split the share minus 0.5, within (-0.5, 0.5): the interval is for the win rate over the whole set minus 0.5."""
+    order = seeded_order(sorted(images), f"{run[1]}:{base['run_dir'].rstrip('/')}")
+    return PrefixVerdict(
+        order,
+        lambda shares: {i: s - 0.5 for i, s in shares.items()},
+        (-0.5, 0.5),
+        cfg.verdict_alpha,
+        cfg.verdict_margin,
+        "pairwise win rate",
+        against=base["model"],
+        against_run=base["run_dir"],
+        metric="pairwise_score",
+    )
+
+
+class JudgedShares:
+    """Judgement rows (``<image_id>#ab|#ba``) as they commit -> each image's share once both its orders are in."""
+
+    def __init__(self):
+        self.judged: dict[str, dict[str, float]] = {}
+
+    def add(self, rows: list[dict]) -> dict[str, float]:
+        """The images whose second judgement is among ``rows``, with their shares."""
+        complete = {}
+        for image_id, orders in per_image_scores(rows).items():
+            seen = self.judged.setdefault(image_id, {})
+            seen.update(orders)
+            if len(seen) == len(ORDERS):
+                complete[image_id] = sum(seen.values()) / len(ORDERS)
+        return complete

@@ -147,7 +147,8 @@ def verdict_png(record: dict) -> bytes:
             ax.axhline(y, color="grey", linestyle=":", linewidth=0.8)
     ax.axvline(record["images_used"], color="#d04010", linestyle="--", linewidth=1)
     ax.set_xlabel(f"images (of {record['images_total']:,}) in the seeded order")
-    ax.set_ylabel(f"{record['score']} difference")
+    pairwise = record.get("metric") == "pairwise_score"  # its differences: the shares minus 0.5
+    ax.set_ylabel(f"{record['score']} - 0.5" if pairwise else f"{record['score']} difference")
     ax.set_title(f"{record['decision']} after {record['images_used']:,} images (alpha {record['alpha']:g})")
     ax.grid(alpha=0.3)
     buf = io.BytesIO()

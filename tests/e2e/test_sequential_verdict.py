@@ -1,7 +1,7 @@
 """The sequential verdict end to end: a real Prefect API, Ray Data and vLLM on CPU, real Parquet. A baseline whose
 captions are the references (external captions, `captionflow evaluate`) against the built-in random model: clearly
 worse, so the run stops captioning long before the set ends; the same run in full-set mode then captions the rest,
-every image once."""
+every image once; then the same folder with CLIPScore, and with the pairwise judge's win, as the verdict's score."""
 
 from __future__ import annotations
 
@@ -117,3 +117,23 @@ def test_a_sequential_run_stops_once_sure_and_a_full_run_captions_the_rest(prefe
     assert clip["metrics"]["clip"]["scored"] == N and sorted(_caption_rows(clip["run_dir"])) == sorted(everything)
     # the teacher's imported captions have no CLIPScores: the bootstrap beside the verdict says so
     assert "the baseline has no CLIPScores by builtin" in c["bootstrap"]["error"]
+
+    # the pairwise judge's win as the verdict's score: the captions are all there, the judge (the built-in model)
+    # judges the images in the verdict's order, both orders each, and stops once sure
+    assert main([*run, str(tmp_path / "pair.json"), "--verdict", "sequential", "--verdict-score", "pairwise",
+                 "--pairwise-against", baseline, "--verdict-margin", "0.45"]) == 0  # fmt: skip
+    pair = json.loads((tmp_path / "pair.json").read_text())
+    p = pair["metrics"]["sequential"]
+    # the random judge ties every pair: every share is 0.5, so the interval closes around an even split and, inside
+    # the declared margin, says "equivalent" long before the set ends; the judgements it did not need are not made
+    assert p["score"] == "pairwise win rate" and p["metric"] == "pairwise_score" and p["images_total"] == N
+    assert p["decision"] == "equivalent" and -0.45 <= p["lower"] <= p["upper"] <= 0.45 and p["images_used"] < N // 2
+    judged = pair["metrics"]["pairwise"]
+    assert p["images_used"] <= judged["judged"] < N and judged["failed"] == 0
+    rows = [r for f in Path(judged["pairwise_dir"], "scores").glob("*.parquet") for r in pq.read_table(f).to_pylist()]
+    assert len(rows) < 2 * N and len({r["image_id"] for r in rows}) == len(rows)
+    assert p["bootstrap"]["agrees"] and "images judged" in p["bootstrap"]["line"]
+    assert sorted(_caption_rows(pair["run_dir"])) == sorted(everything)  # nothing captioned again
+    board = {r["run_dir"]: r for r in pq.read_table(tmp_path / "out" / "leaderboard.parquet").to_pylist()}
+    assert board[pair["run_dir"]]["verdict"].startswith(f"equivalent after {p['images_used']} of {N} images")
+    assert "pairwise win rate 0.500, interval [" in board[pair["run_dir"]]["verdict"]

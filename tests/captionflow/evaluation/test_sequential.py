@@ -157,7 +157,7 @@ def test_the_order_is_a_seeded_permutation_independent_of_the_listing():
 
 def test_the_verdict_sees_the_orders_prefix_not_whichever_captions_came_first():
     """Captions that arrive out of order wait until every image before them in the order is in."""
-    from captionflow.evaluation.sequential import PrefixVerdict
+    from captionflow.evaluation.sequential import PrefixVerdict, paired_bounds, paired_differences
 
     ids = [f"i{k}" for k in range(50)]
     order = seeded_order(ids, "prefix")
@@ -168,7 +168,7 @@ def test_the_verdict_sees_the_orders_prefix_not_whichever_captions_came_first():
         seen_scored.extend(captions)
         return {i: float(c) for i, c in captions.items()}
 
-    pv = PrefixVerdict(order, baseline, score, (0.0, 1.0), alpha=0.05)
+    pv = PrefixVerdict(order, paired_differences(score, baseline), paired_bounds((0.0, 1.0)), alpha=0.05)
     assert pv.observe({order[k]: "0" for k in range(1, 30)}) is False  # the order's first image is missing
     assert pv.cs.n == 0 and seen_scored == []  # nothing scored while the prefix has a gap at its start
     decided = pv.observe({order[0]: "0"})  # now the prefix runs to 30 images at once, each 1 below the baseline
@@ -179,8 +179,9 @@ def test_the_verdict_sees_the_orders_prefix_not_whichever_captions_came_first():
     assert record["trajectory"][-1][0] == 30
     assert pv.observe({order[k]: "1" for k in range(30, 50)}) is True  # decided stays decided: no more updates
     assert pv.cs.n == 30 and len(seen_scored) == 60  # nor scored
-    # images the baseline lacks are not in the population
-    assert len(PrefixVerdict(order, dict.fromkeys(ids[:20], "1"), score, (0.0, 1.0)).order) == 20
+    # values of images outside the population (the order) are never taken
+    pv = PrefixVerdict(order[:20], paired_differences(score, baseline), (-1.0, 1.0))
+    assert pv.observe(dict.fromkeys(order[20:], "0")) is False and not pv.waiting and pv.cs.n == 0
 
 
 def test_the_fixed_sample_bootstrap_is_said_beside_the_verdict_and_a_disagreement_is_named():

@@ -54,3 +54,46 @@ def test_per_image_shares_need_both_orders(tmp_path):
     ]
     store.write_table(pa.Table.from_pylist(rows), "scores", "part-0.parquet")
     assert pairwise_per_image(store.url()) == {"a": 0.5, "b": 1.0}
+
+
+def test_a_pairwise_verdict_takes_each_image_once_both_orders_are_judged_in_the_seeded_order():
+    from captionflow.config import RunConfig
+    from captionflow.evaluation.evaluate import bootstrap_beside_verdict
+    from captionflow.evaluation.sequential import seeded_order, verdict_line
+    from captionflow.pipeline.pairwise import JudgedShares, both_orders_of, pairwise_verdict
+
+    # pending judgements keep their order: the images are read in it (the verdict's), not sorted
+    assert both_orders_of(["b#ab", "b#ba", "a#ab", "c#ba"])[0] == ["b", "a", "c"]
+    images = {f"i{k:02d}" for k in range(40)}
+    cfg = RunConfig(verdict="sequential", verdict_score="pairwise", pairwise_against="previous")
+    base = {"model": "ckpt-1", "run_dir": "/out/runs/ds/fp-ckpt-1/g"}
+    verdict = pairwise_verdict(cfg, ("runs", "ds", "fp-me", "g"), base, images)
+    assert verdict.order == seeded_order(sorted(images), "ds:/out/runs/ds/fp-ckpt-1/g")
+    judged = JudgedShares()
+    first, second = verdict.order[:2]
+    assert judged.add([{"image_id": f"{second}#ab", "candidate_score": 1.0}]) == {}  # one order: not yet an image
+    shares = judged.add([{"image_id": f"{second}#ba", "candidate_score": 0.0}])
+    assert shares == {second: 0.5} and verdict.observe(shares) is False and verdict.cs.n == 0  # the prefix waits
+    both = [{"image_id": f"{first}#{o}", "candidate_score": 1.0} for o in ("ab", "ba")]
+    assert verdict.observe(judged.add(both)) is False and verdict.cs.n == 2  # the first image in: the prefix is two
+    for i in verdict.order[2:]:  # this run wins both orders of every other image
+        if verdict.observe(judged.add([{"image_id": f"{i}#{o}", "candidate_score": 1.0} for o in ("ab", "ba")])):
+            break
+    record = verdict.record()
+    assert record["decision"] == "better" and record["lower"] > 0 and record["images_used"] < 40
+    assert record["mean_difference"] == pytest.approx((0.0 + 0.5 * (record["images_used"] - 1)) / record["images_used"])
+    line = verdict_line(record)
+    assert line.startswith(f"better after {record['images_used']} of 40 images (alpha 0.05, pairwise win rate 0.")
+    win = {"win_rate": 0.9, "ci_low": 0.8, "ci_high": 1.0, "n_images": record["images_used"], "verdict": "better"}
+    boot = bootstrap_beside_verdict(record, [], 100, win=win)
+    assert boot["agrees"] and boot["delta"] == pytest.approx(0.4) and "images judged: better" in boot["line"]
+    assert "no image judged" in bootstrap_beside_verdict(record, [], 100)["error"]
+
+
+def test_a_pairwise_verdict_without_its_baseline_is_refused_before_any_work(tmp_path):
+    from captionflow.config import RunConfig
+    from captionflow.preflight import OptionError, check_inputs
+
+    cfg = RunConfig(output=str(tmp_path), verdict="sequential", verdict_score="pairwise")
+    with pytest.raises(OptionError, match="verdict_score pairwise needs pairwise_against"):
+        check_inputs(cfg)
