@@ -43,14 +43,15 @@ def _null_population(rng, make, n):
     return a - rng.permutation(a)
 
 
-def _run(differences, bounds, method="cs", delta=0.0):
+def _run(differences, bounds, method="cs", delta=0.0, paired=True):
     """Look after every batch of the order's prefix: (the first decisive look's verdict or None, its n, whether the
-    set's mean was ever outside the interval at a look)."""
+    set's mean was ever outside the interval at a look). ``bounds``: the score's (``paired``: the differences are
+    within (lo - hi, hi - lo)) or the differences' own."""
     n = len(differences)
     truth = differences.mean()
     missed = False
     if method == "cs":
-        lo, hi = bounds[0] - bounds[1], bounds[1] - bounds[0]
+        lo, hi = (bounds[0] - bounds[1], bounds[1] - bounds[0]) if paired else bounds
         cs = ConfidenceSequence(n, (lo, hi), ALPHA, delta=delta, grid=GRID)
     for end in range(BATCH, n + 1, BATCH):
         if method == "cs":
@@ -77,6 +78,19 @@ def test_under_no_difference_it_says_better_or_worse_in_at_most_alpha_of_the_str
         decision, _, _ = _run(d[rng.permutation(N)], bounds)
         false += decision in ("better", "worse")
     assert false / STREAMS <= ALPHA, (score, false)
+
+
+def test_a_pairwise_verdict_under_an_even_split_says_better_or_worse_in_at_most_alpha_of_the_streams():
+    """The pairwise judge's shares (0, 0.5 or 1 per image) of a set whose win rate is exactly 0.5, minus 0.5: the
+    differences a pairwise verdict takes, within (-0.5, 0.5)."""
+    rng = np.random.default_rng(11)
+    false = 0
+    for _ in range(STREAMS):
+        half = rng.choice([0.0, 0.5, 1.0], size=N // 2, p=[0.35, 0.3, 0.35])
+        shares = np.concatenate([half, 1.0 - half])  # mirrored: the set's win rate is 0.5 exactly
+        decision, _, _ = _run(shares[rng.permutation(N)] - 0.5, (-0.5, 0.5), paired=False)
+        false += decision in ("better", "worse")
+    assert false / STREAMS <= ALPHA, false
 
 
 def test_a_naive_interval_recomputed_after_every_batch_does_not_hold_alpha():
