@@ -133,7 +133,11 @@ def run_inference(
         reused = reuse_captions(store, run, ledger, all_ids - done, done)
         if progress:  # the folder is ours: an earlier attempt on it that did not finish is over
             progress(len(done & all_ids), len(done & all_ids), len(all_ids), 0.0)
-        verdict = sequential_verdict(cfg, store, run, shards, all_ids, clip) if cfg.verdict == "sequential" else None
+        verdict = (
+            sequential_verdict(cfg, store, run, shards, all_ids, clip, engine.preset.name == "gpu")
+            if cfg.verdict == "sequential"
+            else None
+        )
         if verdict is not None:
             verdict.observe(read_captions(store, run))  # a rerun or resume continues the same order's prefix
         if all_ids - done and not (verdict and verdict.decided):
@@ -204,11 +208,13 @@ def sequential_verdict(
     shards: list[str],
     ids: set[str],
     clip: Optional[ClipModel] = None,
+    gpu: bool = False,
 ) -> Optional[PrefixVerdict]:
     """The run's sequential verdict against ``verdict_against`` (``evaluation/sequential.py``): the golden set's
     images with a baseline caption (and references, for CIDEr-D), in an order seeded by the dataset and the baseline
     run, each scored (both sides, as the prefix reaches it) by ``verdict_score``: CIDEr-D with the IDF of all the
-    references (``evaluation/cider.py``) or CLIPScore by ``clip`` (``clip_score.PrefixClipScore``). None (the full
+    references (``evaluation/cider.py``) or CLIPScore by ``clip`` (``clip_score.PrefixClipScore``; on the driver's
+    GPU for a ``gpu`` run). None (the full
     set, said in the log) while no baseline exists yet, and for a pairwise verdict (the judge's stage decides, on the
     full set's captions: ``pairwise.pairwise_verdict``); DatasetError for a dataset the score cannot score."""
     if cfg.verdict_score == "pairwise":
@@ -243,7 +249,7 @@ def sequential_verdict(
         idf.shutdown(wait=False)
         scorer, bounds, name, extra = (lambda captions: cider.result().scores(captions)), CIDER_BOUNDS, "CIDEr-D", {}
     else:
-        scorer, bounds, name = PrefixClipScore(clip, store, shards, theirs), CLIP_BOUNDS, "CLIPScore"
+        scorer, bounds, name = PrefixClipScore(clip, store, shards, theirs, gpu), CLIP_BOUNDS, "CLIPScore"
         # where the bootstrap beside the verdict finds the baseline's CLIPScores by the same checkpoint
         extra = {
             "clip_model": clip.source,

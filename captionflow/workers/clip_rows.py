@@ -21,13 +21,23 @@ CLIP_SCHEMA = pa.schema(
 class ClipScorer:
     """Loads a CLIP-family checkpoint once per actor; a batch of (image_id, image) rows -> CLIP_SCHEMA rows."""
 
-    def __init__(self, model_path: str, captions: dict[str, str], attempt: int = 0, threads: int = 1):
+    def __init__(
+        self,
+        model_path: str,
+        captions: dict[str, str],
+        attempt: int = 0,
+        threads: int | None = 1,
+        device: str = "cpu",
+    ):
+        """``threads``: torch's on CPU (an actor's one CPU), None to leave them (torch applies it to the calling
+        thread's later work, so a scorer built in one thread and called in another sets nothing)."""
         import torch
         from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
 
-        torch.set_num_threads(threads)
-        self.torch = torch
-        self.model = CLIPModel.from_pretrained(model_path).eval()
+        if device == "cpu" and threads:
+            torch.set_num_threads(threads)
+        self.torch, self.device = torch, device
+        self.model = CLIPModel.from_pretrained(model_path).eval().to(device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.images = AutoImageProcessor.from_pretrained(model_path)
         self.max_len = min(int(self.model.config.text_config.max_position_embeddings), 77)
@@ -60,7 +70,7 @@ class ClipScorer:
 
     def embed_images(self, images: list):
         """The image tower's embeddings (one row per image)."""
-        pixels = self.images(images=images, return_tensors="pt")["pixel_values"]
+        pixels = self.images(images=images, return_tensors="pt")["pixel_values"].to(self.device)
         with self.torch.inference_mode():
             img = self.model.get_image_features(pixel_values=pixels)
         return getattr(img, "pooler_output", img)
@@ -68,8 +78,9 @@ class ClipScorer:
     def embed_texts(self, captions: list[str]):
         """The text tower's embeddings (one row per caption, truncated to the tower's context)."""
         text = self.tokenizer(captions, padding=True, truncation=True, max_length=self.max_len, return_tensors="pt")
+        ids, mask = text["input_ids"].to(self.device), text["attention_mask"].to(self.device)
         with self.torch.inference_mode():
-            txt = self.model.get_text_features(input_ids=text["input_ids"], attention_mask=text["attention_mask"])
+            txt = self.model.get_text_features(input_ids=ids, attention_mask=mask)
         return getattr(txt, "pooler_output", txt)
 
     def _row(self, image_id: str, score, error: str) -> dict:
