@@ -249,7 +249,7 @@ def sequential_verdict(
         idf.shutdown(wait=False)
         scorer, bounds, name, extra = (lambda captions: cider.result().scores(captions)), CIDER_BOUNDS, "CIDEr-D", {}
     else:
-        scorer, bounds, name = PrefixClipScore(clip, store, shards, theirs, gpu), CLIP_BOUNDS, "CLIPScore"
+        scorer, bounds, name = PrefixClipScore(clip, store, shards, order, gpu), CLIP_BOUNDS, "CLIPScore"
         # where the bootstrap beside the verdict finds the baseline's CLIPScores by the same checkpoint
         extra = {
             "clip_model": clip.source,

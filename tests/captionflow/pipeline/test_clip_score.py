@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -18,7 +19,7 @@ from captionflow.data.storage import Store
 from captionflow.errors import DatasetError, ModelError
 from captionflow.evaluation.evaluate import bootstrap_beside_verdict, clip_per_image
 from captionflow.model_source import resolve_clip
-from captionflow.pipeline.clip_score import PrefixClipScore, run_clip
+from captionflow.pipeline.clip_score import OrderedImages, PrefixClipScore, run_clip
 from captionflow.pipeline.inference import sequential_verdict
 from captionflow.pipeline.preprocess import preprocess
 from captionflow.preflight import OptionError, check_inputs, preflight
@@ -115,7 +116,7 @@ def test_a_clipscore_verdict_scores_both_sides_as_the_clip_stage_does(tmp_path):
         k: clip_per_image(run_clip(cfg, manifest, r, checked.clip, checked.engine).clip_dir) for k, r in runs.items()
     }
 
-    scorer = PrefixClipScore(checked.clip, store, shards, ids)
+    scorer = PrefixClipScore(checked.clip, store, shards, order, window=2)  # the images in two windows
     got = scorer({i: mine[i] for i in order[:2]}) | scorer({i: mine[i] for i in order[2:]})
     got_theirs = scorer(theirs)  # the images' embeddings from the first calls
     for side, expected in ((got, staged["m"]), (got_theirs, staged["base"])):
@@ -138,6 +139,20 @@ def test_a_clipscore_verdict_scores_both_sides_as_the_clip_stage_does(tmp_path):
         "has no CLIPScores by builtin"
         in bootstrap_beside_verdict({**rec, "baseline_scores": str(tmp_path)}, rows, 9)["error"]
     )
+
+    # the images are read a window of the order at a time, at most one window beyond the one being taken from
+    lazy = OrderedImages(store, shards, order, window=1)  # windows of 1, 2 and 2 images
+    first = lazy.take(order[:1])
+    assert list(first) == order[:1] and first[order[0]][:2] == b"\xff\xd8"  # a JPEG of the shard
+    time.sleep(0.5)  # time enough to read the whole set, were it not bounded
+    assert lazy._loaded == 3 and sorted(lazy._bytes) == sorted(order[1:3])
+    assert sorted(lazy.take(order[3:])) == sorted(order[3:]) and lazy._loaded == 5
+    with pytest.raises(DatasetError, match="not in the dataset's shards"):
+        lazy.take(order[3:])  # each image handed out once
+    waiting = OrderedImages(store, shards, order, window=1)
+    waiting.close()  # a verdict in: the reading thread ends
+    waiting.thread.join(timeout=10)
+    assert not waiting.thread.is_alive()
 
     # without references: CIDEr-D asked for, or no clip_model to fall back on, is a one-line error naming the fix
     with pytest.raises(DatasetError, match="no reference captions to score CIDEr-D against"):
