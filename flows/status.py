@@ -8,6 +8,7 @@ import argparse
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Deployments with their last runs, captionflow's automations, the warm engine service, the leaderboard's head."""
+    from captionflow.config import RunConfig
     from captionflow.data.storage import Store
     from captionflow.report.markdown import leaderboard_rows, leaderboard_table
     from deployments.watcher import api_problem
@@ -59,6 +60,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 out.append(f"  captionflow/{d.name}  pool {d.work_pool_name}  schedule {sched}  paused {d.paused}")
                 if upcoming and upcoming[0].expected_start_time:
                     out.append(f"    next run: {upcoming[0].expected_start_time.isoformat(timespec='seconds')}")
+                # a run whose model group leaves its model out gets the deployment's when it starts (parameters.py)
+                deployed = (d.parameters.get("model") or {}).get("model") or RunConfig.model_fields["model"].default
                 for r in runs:
                     due = r.expected_start_time
                     when = (
@@ -68,7 +71,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                         if due
                         else "not started"
                     )
-                    model = (r.parameters.get("model") or {}).get("model", "-")  # the model group's model
+                    model = (r.parameters.get("model") or {}).get("model") or deployed
                     out.append(f"    {r.name:<24} {r.state_name or '-':<10} {when}  model {model}")
             autos = [a for a in client.read_automations() if a.name.startswith("captionflow:")]
             out.append(

@@ -227,15 +227,22 @@ def test_status_lists_the_last_runs_failed_and_cancelled_included_not_the_schedu
         for name, state in (("failed-one", Failed(message="x")), ("cancelled-one", Cancelled())):
             run = client.create_flow_run_from_deployment(nightly, name=name)
             client.set_flow_run_state(run.id, state, force=True)
+        # a custom run whose model group leaves the model out: it runs the deployment's (it showed "model -")
+        run = client.create_flow_run_from_deployment(
+            nightly, name="custom-one", parameters={"model": {"max_pixels": 4096}}
+        )
+        client.set_flow_run_state(run.id, Failed(message="y"), force=True)
         for day in (1, 2, 3):
             when = now + datetime.timedelta(days=day)
             client.create_flow_run_from_deployment(nightly, name=f"future-{day}", state=Scheduled(scheduled_time=when))
     capsys.readouterr()  # what deploy printed
-    assert main(["status", "--output", out, "--runs", "3"]) == 0
+    assert main(["status", "--output", out, "--runs", "4"]) == 0
     text = capsys.readouterr().out
     block = text[text.index("captionflow/golden-nightly") :].split("\n  captionflow/")[0]
     assert "failed-one" in block and "Failed" in block and "cancelled-one" in block and "Cancelled" in block
     assert "model builtin" in block  # the model group's model
+    custom = next(line for line in block.splitlines() if "custom-one" in line)
+    assert custom.endswith("model builtin")  # the deployment's model, which the run gets when it starts
     assert "future-" not in block.replace("next run", "")  # no scheduled run among the last runs
     assert f"next run: {(now + datetime.timedelta(days=1)).date().isoformat()}" in block
 
