@@ -203,14 +203,15 @@ class RunConfig(BaseModel):
         "imported with captionflow evaluate too). Without one yet, the run captions the full set. A pairwise "
         "verdict's baseline is pairwise_against's.",
     )
-    verdict_score: Literal["auto", "cider", "clip", "pairwise"] = Field(
+    verdict_score: Literal["auto", "cider", "clip", "judge", "pairwise"] = Field(
         "auto",
         title="Sequential verdict: score",
         description="The per-image score the sequential verdict compares: 'cider' (CIDEr-D, the IDF from all the "
         "references; needs references), 'clip' (CLIPScore against the image by clip_model; no references "
-        "needed), 'pairwise' (the pairwise judge's win against pairwise_against: the set is captioned in full, "
-        "the judging stops once sure), 'auto': CIDEr-D where the dataset has references, else CLIPScore where "
-        "clip_model is set.",
+        "needed), 'judge' (the judge's 1-5 score, against a baseline judged by the same judge), 'pairwise' (the "
+        "pairwise judge's win against pairwise_against); with 'judge' and 'pairwise' the set is captioned in "
+        "full and the judging stops once sure. 'auto': CIDEr-D where the dataset has references, else CLIPScore "
+        "where clip_model is set.",
     )
     verdict_alpha: float = Field(
         0.05,
@@ -226,8 +227,8 @@ class RunConfig(BaseModel):
         le=10.0,
         title="Sequential verdict: equivalence margin",
         description="Stop with 'equivalent' once the mean difference of verdict_score over the set is surely "
-        "within +/- this (CIDEr-D is on 0-10, CLIPScore on 0-2.5, a pairwise verdict's win rate minus 0.5 on "
-        "-0.5-0.5); 0: no equivalence verdict.",
+        "within +/- this (CIDEr-D is on 0-10, CLIPScore on 0-2.5, the judge's score on 1-5, a pairwise "
+        "verdict's win rate minus 0.5 on -0.5-0.5); 0: no equivalence verdict.",
     )
     clip_model: Optional[str] = Field(
         None,

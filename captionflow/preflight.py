@@ -90,13 +90,15 @@ def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
 def check_inputs(cfg: RunConfig, models: list[str] | None = None) -> None:
     """What needs neither Ray, an engine, a download nor a Prefect server: the output root can be written, the
     dataset exists, each local model folder (``models``; default the run's model and judge) exists, the engine
-    arguments are vLLM's, a CLIPScore verdict has its CLIP model, a pairwise one its baseline. The command line
+    arguments are vLLM's, a CLIPScore verdict has its CLIP model, a judge or pairwise one its judge. The command line
     runs it before it starts a flow, so that a user error is one line and starts nothing; preflight runs it
     first."""
     if cfg.verdict == "sequential" and cfg.verdict_score == "clip" and not cfg.clip_model:
         raise OptionError("verdict_score clip needs clip_model (a local CLIP checkpoint folder, or builtin)")
     if cfg.verdict == "sequential" and cfg.verdict_score == "pairwise" and not cfg.pairwise_against:
         raise OptionError("verdict_score pairwise needs pairwise_against (the baseline the judge compares with)")
+    if cfg.verdict == "sequential" and cfg.verdict_score == "judge" and not cfg.judge:
+        raise OptionError("verdict_score judge needs judge (the judge's 1-5 score of every caption)")
     check_output(cfg.output)
     check_dataset(cfg.dataset)
     if models is None:

@@ -123,6 +123,7 @@ class JudgeResult:
     distribution: dict[str, int]
     passes: list[PassResult]
     seconds: float
+    verdict: Optional[dict] = None  # the sequential verdict on the judge's score (evaluation/sequential.PrefixVerdict)
 
     def headline(self) -> dict:
         """What the metrics and the report show of the judge pass."""

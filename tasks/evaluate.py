@@ -32,7 +32,7 @@ def _key(
             inference.captioned,
             inference.failed,
             inference.verdict,  # a sequential verdict's record (its baseline or score may change on a rerun)
-            judge and judge.judged,
+            judge and [judge.judged, judge.verdict],
             pairwise and [pairwise.pairwise_dir, pairwise.judged, pairwise.verdict],
             clip and [clip.clip_dir, clip.scored],
             cfg.coco_java,

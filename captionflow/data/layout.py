@@ -73,6 +73,15 @@ def missing_files(store, base: tuple[str, ...], names: tuple[str, ...]) -> Optio
     return f"{', '.join(gone)} missing in {store.url(*base)}" if gone else None
 
 
+def read_scores(folder: str, column: str) -> dict[str, float]:
+    """image id -> its score (``column``), of the scores committed under a score folder (a judge's, a CLIP's)."""
+    from captionflow.data.storage import Store
+
+    store = Store(folder)
+    t = store.read_unique(store.ls(SCORES, suffix=".parquet"), columns=["image_id", column])
+    return dict(zip(t["image_id"].to_pylist(), t[column].to_pylist())) if t is not None else {}
+
+
 def read_captions(store, run: tuple[str, ...]) -> dict[str, str]:
     """image id -> caption, of the captions committed under a run folder (each image once)."""
     t = store.read_unique(store.ls(*run, CAPTIONS, suffix=".parquet"), columns=["image_id", "caption"])

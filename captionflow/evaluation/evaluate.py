@@ -7,7 +7,7 @@ from typing import Optional
 
 import pyarrow as pa
 
-from captionflow.data.layout import CAPTIONS, SCORES, read_captions, shard_paths
+from captionflow.data.layout import CAPTIONS, SCORES, read_captions, read_scores, shard_paths
 from captionflow.data.storage import Store
 from captionflow.evaluation.caption_health import caption_health
 from captionflow.evaluation.metrics import length_stats, reference_metrics
@@ -54,8 +54,10 @@ def evaluate(
     stats = length_stats([r["caption"] for r in rows], [r["finish_reason"] for r in rows], inference.failed, words)
     ref_agg, ref_per = reference_metrics(captions, refs, java=coco_java)
     metrics = {"stats": stats, "health": caption_health(rows, prompts, words), "reference": ref_agg}
-    if inference.verdict or (pairwise and pairwise.verdict):  # on the captions, or on the pairwise judge
-        metrics["sequential"] = inference.verdict or pairwise.verdict
+    # the sequential verdict: on the captions' scores, or on the judge's or the pairwise judge's
+    verdict = inference.verdict or (judge and judge.verdict) or (pairwise and pairwise.verdict)
+    if verdict:
+        metrics["sequential"] = verdict
     judged: dict[str, dict] = {}
     if judge:
         metrics["judge"] = judge.headline()
@@ -192,14 +194,16 @@ def bootstrap_beside_verdict(
         shifted = {k: win[k] - 0.5 for k in ("ci_low", "ci_high")}  # the verdict's scale: the win rate minus 0.5
         return reconcile(record, {**shifted, "verdict": win["verdict"], "delta": win["win_rate"] - 0.5,
                                   "n_images": win["n_images"]})  # fmt: skip
-    if metric == "clip_score":
-        theirs = record["baseline_scores"]
+    if metric in ("clip_score", "judge_mean"):  # the baseline's scores by the same checkpoint, from its folder
+        theirs, column = record["baseline_scores"], PER_IMAGE[metric]
+        stored, what = ("clip_score", "CLIPScores") if metric == "clip_score" else ("score", "judge scores")
+        by = record.get("clip_model") or record.get("judge_model")
         try:
-            their_rows = [{"image_id": i, "clip_score": s} for i, s in clip_per_image(theirs).items()]
+            their_rows = [{"image_id": i, column: s} for i, s in read_scores(theirs, stored).items()]
         except (OSError, ValueError, TypeError) as e:
-            return {"error": f"cannot read the baseline's CLIPScores {theirs}: {e}"}
+            return {"error": f"cannot read the baseline's {what} {theirs}: {e}"}
         if not their_rows:
-            return {"error": f"the baseline has no CLIPScores by {record.get('clip_model')} ({theirs})"}
+            return {"error": f"the baseline has no {what} by {by} ({theirs})"}
     else:
         their_rows = (read or {}).get(run_dir)
     if their_rows is None:
@@ -216,9 +220,7 @@ def bootstrap_beside_verdict(
 
 def clip_per_image(clip_dir: str) -> dict[str, float]:
     """image id -> its CLIPScore (captionflow/pipeline/clip_score.py)."""
-    folder = Store(clip_dir)
-    t = folder.read_unique(folder.ls(SCORES, suffix=".parquet"), columns=["image_id", "clip_score"])
-    return dict(zip(t["image_id"].to_pylist(), t["clip_score"].to_pylist())) if t is not None else {}
+    return read_scores(clip_dir, "clip_score")
 
 
 def per_image(rows: list[dict]) -> dict[str, dict]:

@@ -292,7 +292,7 @@ def reconcile(record: dict, bootstrap: dict) -> dict:
     decision = record["decision"]
     expected = decision if decision in ("better", "worse") else "no detectable difference"
     agrees = bootstrap["verdict"] == expected
-    done = "judged" if record.get("metric") == "pairwise_score" else "captioned"
+    done = "judged" if record.get("metric") in ("judge_mean", "pairwise_score") else "captioned"
     line = (
         f"paired bootstrap on the {bootstrap['n_images']:,} images {done}: {bootstrap['verdict']} "
         f"({record['score']} difference {bootstrap['delta']:+.3f}, 95% [{bootstrap['ci_low']:+.3f}, "

@@ -215,10 +215,12 @@ def sequential_verdict(
     run, each scored (both sides, as the prefix reaches it) by ``verdict_score``: CIDEr-D with the IDF of all the
     references (``evaluation/cider.py``) or CLIPScore by ``clip`` (``clip_score.PrefixClipScore``; on the driver's
     GPU for a ``gpu`` run). None (the full
-    set, said in the log) while no baseline exists yet, and for a pairwise verdict (the judge's stage decides, on the
-    full set's captions: ``pairwise.pairwise_verdict``); DatasetError for a dataset the score cannot score."""
-    if cfg.verdict_score == "pairwise":
-        log.info("verdict sequential on the pairwise judge: the full set is captioned, the judging stops once sure")
+    set, said in the log) while no baseline exists yet, and for a judge or pairwise verdict (their stage decides, on
+    the full set's captions: ``judge.judge_verdict``, ``pairwise.pairwise_verdict``); DatasetError for a dataset the
+    score cannot score."""
+    if cfg.verdict_score in ("judge", "pairwise"):
+        log.info("verdict sequential on the %s: the full set is captioned, the judging stops once sure",
+                 "pairwise judge" if cfg.verdict_score == "pairwise" else "judge's score")  # fmt: skip
         return None
     baseline = resolve_baseline(store, run, cfg.verdict_against, what="verdict_against")
     if baseline is None:

@@ -10,15 +10,18 @@ and never counted as judged; the pass resumes like captioning (the same ledger, 
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable
 from typing import Optional
 
 from captionflow.config import RunConfig
 from captionflow.data.fingerprint import digest
-from captionflow.data.layout import FAILURES, SCORES, judge_parts, read_captions, shard_paths
+from captionflow.data.layout import FAILURES, SCORES, judge_parts, read_captions, read_scores, shard_paths
 from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
+from captionflow.errors import BaselineError
+from captionflow.evaluation.sequential import PrefixVerdict, seeded_order
 from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.ledger import Ledger, run_passes
@@ -38,10 +41,12 @@ from captionflow.workers.llm_rows import (
     judge_request,
 )
 
+log = logging.getLogger("captionflow.judge")
 
-def judge_run_parts(run: tuple[str, ...], judge: ResolvedModel, engine: EngineSettings) -> tuple[str, ...]:
-    """Where one judge's scores of one run go: keyed on the judge checkpoint, its settings and its prompt."""
-    fp = digest(
+
+def judge_fingerprint(judge: ResolvedModel, engine: EngineSettings) -> str:
+    """The judge checkpoint, its settings and its prompt: what one judge's scores are keyed on."""
+    return digest(
         {
             "model": judge.fingerprint,
             "engine": engine.output_params(),
@@ -50,7 +55,52 @@ def judge_run_parts(run: tuple[str, ...], judge: ResolvedModel, engine: EngineSe
             "prompt": judge_prompt("{caption}", ["{reference}"]),
         }
     )
-    return judge_parts(run, fp)
+
+
+def judge_run_parts(run: tuple[str, ...], judge: ResolvedModel, engine: EngineSettings) -> tuple[str, ...]:
+    """Where one judge's scores of one run go."""
+    return judge_parts(run, judge_fingerprint(judge, engine))
+
+
+def judge_verdict(
+    cfg: RunConfig,
+    store: Store,
+    run: tuple[str, ...],
+    judge: ResolvedModel,
+    engine: EngineSettings,
+    captions: dict[str, str],
+) -> Optional[PrefixVerdict]:
+    """The sequential verdict on the judge's 1-5 score (``verdict sequential``, ``verdict_score judge``) against
+    ``verdict_against``: the images both runs have scores of by this judge (the same checkpoint, settings and prompt:
+    the baseline's ``judge/<fingerprint>``), judged in an order seeded by the dataset and the baseline run; each
+    image's difference is this run's score minus the baseline's, within (-4, 4). None (the full set judged, said
+    in the log) while no baseline exists yet; BaselineError for a baseline without this judge's scores."""
+    from captionflow.pipeline.pairwise import resolve_baseline  # pairwise imports this module
+
+    base = resolve_baseline(store, run, cfg.verdict_against, what="verdict_against")
+    if base is None:
+        log.info("verdict sequential: no %s comparable run yet, so every caption is judged", cfg.verdict_against)
+        return None
+    folder = f"{base['run_dir'].rstrip('/')}/judge/{judge_fingerprint(judge, engine)}"
+    theirs = read_scores(folder, "score")
+    common = sorted(set(captions) & set(theirs))
+    if not common:
+        raise BaselineError(
+            f"verdict_against: the run {base['run_dir']} has no scores by the judge {judge.source} with these "
+            "settings (run it with judge, or use another verdict_score)"
+        )
+    return PrefixVerdict(
+        seeded_order(common, f"{run[1]}:{base['run_dir'].rstrip('/')}"),
+        lambda mine: {i: mine[i] - theirs[i] for i in mine},
+        (-4.0, 4.0),
+        cfg.verdict_alpha,
+        cfg.verdict_margin,
+        "judge score",
+        against=base["model"],
+        against_run=base["run_dir"],
+        metric="judge_mean",
+        extra={"judge_model": judge.source, "baseline_scores": folder},
+    )
 
 
 def run_judge(
@@ -63,6 +113,9 @@ def run_judge(
     base = judge_run_parts(run, judge, engine)
     captions = read_captions(store, run)
     passes = []
+    verdict = None
+    if cfg.verdict == "sequential" and cfg.verdict_score == "judge":
+        verdict = judge_verdict(cfg, store, run, judge, engine, captions)
     with Lease(store, "/".join(base), what=f"the judge folder {store.url(*base)}", wait_s=cfg.lease_wait_s) as lease:
         ledger = Ledger(
             store,
@@ -75,7 +128,9 @@ def run_judge(
             what="judge",
         )
         done = ledger.committed()
-        if set(captions) - done:
+        if verdict is not None:  # a rerun or resume continues the same order's prefix from the scores committed
+            verdict.observe(read_scores(store.url(*base), "score"))
+        if set(captions) - done and not (verdict and verdict.decided):
             passes = judge_passes(
                 cfg, manifest, judge, engine, ledger, set(captions), done,
                 regex=JUDGE_REGEX,
@@ -83,21 +138,27 @@ def run_judge(
                 request=functools.partial(judge_request, captions=captions),
                 out=judge_out,
                 fixed=judge_fixed_schema,
+                order=verdict.order if verdict else None,
+                stop=(lambda rows: verdict.observe({r["image_id"]: r["score"] for r in rows})) if verdict else None,
             )  # fmt: skip
     scores = store.read_unique(store.ls(*base, SCORES, suffix=".parquet"))
     rows = scores.to_pylist() if scores is not None else []
     values = [r["score"] for r in rows]
+    failed = len(captions) - len(rows)
+    if verdict and verdict.decided:  # captions the verdict did not need judged are not failures: the last pass's are
+        failed = passes[-1].failed if passes and passes[-1].stopped else 0
     return JudgeResult(
         judge_model=judge.source,
         judge_dir=store.url(*base),
         judge_parts=base,
         judged=len(rows),
-        failed=len(captions) - len(rows),
+        failed=failed,
         parse_rate=parse_rate(store, base, len(rows)),
         mean_score=sum(values) / len(values) if values else None,
         distribution={str(k): values.count(k) for k in range(1, 6)},
         passes=passes,
         seconds=round(time.perf_counter() - t0, 2),
+        verdict=verdict.record() if verdict else None,
     )
 
 

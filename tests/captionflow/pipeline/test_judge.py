@@ -1,0 +1,61 @@
+"""The judge's 1-5 score as the sequential verdict's score (the judging itself runs on the real engine in
+tests/e2e/test_demo_flow.py, and the ordered, stopping judge passes in tests/e2e/test_sequential_verdict.py)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+from PIL import Image
+
+from captionflow.config import RunConfig
+from captionflow.data.layout import CAPTIONS, SCORES
+from captionflow.data.storage import Store
+from captionflow.errors import BaselineError
+from captionflow.evaluation.evaluate import bootstrap_beside_verdict
+from captionflow.evaluation.sequential import seeded_order, verdict_line
+from captionflow.pipeline.judge import judge_run_parts, judge_verdict
+from captionflow.preflight import OptionError, check_inputs, preflight
+
+
+def test_a_judge_verdict_compares_each_image_with_the_baseline_judged_by_the_same_judge(tmp_path):
+    (tmp_path / "ds").mkdir()
+    Image.new("RGB", (40, 30), "red").save(tmp_path / "ds" / "red.png")
+    cfg = RunConfig(
+        dataset=str(tmp_path / "ds"), output=str(tmp_path / "out"), device="cpu", judge=True,
+        verdict="sequential", verdict_score="judge",
+    )  # fmt: skip
+    checked = preflight(cfg)
+    store = Store(cfg.output)
+    ids = [f"i{k:02d}" for k in range(40)]
+    captions = pa.Table.from_pylist([{"image_id": i, "caption": "a caption"} for i in ids])
+    base, other, mine = (("runs", "ds", fp, "g") for fp in ("fp-base", "fp-other", "fp-me"))
+    for run in (base, other):
+        store.write_table(captions, *run, CAPTIONS, "part-0.parquet")
+    # the baseline judged by this judge (3 for every image); the other run never judged
+    scores = pa.Table.from_pylist([{"image_id": i, "score": 3} for i in ids[:30]])  # 30 of the 40 judged
+    store.write_table(scores, *judge_run_parts(base, checked.judge, checked.engine), SCORES, "part-0.parquet")
+
+    against = cfg.model_copy(update={"verdict_against": store.url(*base)})
+    verdict = judge_verdict(against, store, mine, checked.judge, checked.engine, dict.fromkeys(ids, "mine"))
+    assert verdict.order == seeded_order(ids[:30], f"ds:{store.url(*base).rstrip('/')}")  # images both have
+    for i in verdict.order:  # this run's judge gives 5 where the baseline got 3
+        if verdict.observe({i: 5}):
+            break
+    record = verdict.record()
+    assert record["decision"] == "better" and record["images_used"] < 30 and record["mean_difference"] == 2.0
+    assert record["metric"] == "judge_mean" and record["judge_model"] == "builtin"
+    assert record["baseline_scores"].endswith(judge_run_parts(base, checked.judge, checked.engine)[-1])
+    assert "judge score difference +2.000" in verdict_line(record)
+    rows = [{"image_id": i, "judge_score": 5} for i in verdict.order[: record["images_used"]]]
+    boot = bootstrap_beside_verdict(record, rows, 200)
+    assert boot["delta"] == 2.0 and boot["n_images"] == record["images_used"] and boot["agrees"]
+    assert f"on the {record['images_used']} images judged: better" in boot["line"]
+    assert "has no judge scores by builtin" in bootstrap_beside_verdict({**record, "baseline_scores": str(tmp_path)},
+                                                                       rows, 9)["error"]  # fmt: skip
+
+    # a baseline never judged by this judge: one line, before the judge's engines start
+    unjudged = cfg.model_copy(update={"verdict_against": store.url(*other)})
+    with pytest.raises(BaselineError, match="has no scores by the judge builtin"):
+        judge_verdict(unjudged, store, mine, checked.judge, checked.engine, dict.fromkeys(ids, "mine"))
+    with pytest.raises(OptionError, match="verdict_score judge needs judge"):
+        check_inputs(cfg.model_copy(update={"judge": False}))
