@@ -35,10 +35,10 @@ from captionflow.evaluation.sequential import (
     verdict_line,
 )
 from captionflow.model_source import ClipModel, ResolvedModel
+from captionflow.pipeline.baseline import resolve_baseline
 from captionflow.pipeline.clip_score import PrefixClipScore
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.ledger import Ledger, Progress, run_passes
-from captionflow.pipeline.pairwise import resolve_baseline
 from captionflow.pipeline.processor import build_vlm_processor, fitted_folder, map_task_kwargs, read_pending
 from captionflow.pipeline.request_format import image_prompt
 from captionflow.pipeline.session import ray_session

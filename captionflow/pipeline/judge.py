@@ -23,6 +23,7 @@ from captionflow.data.storage import Store
 from captionflow.errors import BaselineError
 from captionflow.evaluation.sequential import PrefixVerdict, seeded_order
 from captionflow.model_source import ResolvedModel
+from captionflow.pipeline.baseline import resolve_baseline
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.ledger import Ledger, run_passes
 from captionflow.pipeline.processor import build_vlm_processor, fitted_folder, map_task_kwargs, read_pending
@@ -75,8 +76,6 @@ def judge_verdict(
     the baseline's ``judge/<fingerprint>``), judged in an order seeded by the dataset and the baseline run; each
     image's difference is this run's score minus the baseline's, within (-4, 4). None (the full set judged, said
     in the log) while no baseline exists yet; BaselineError for a baseline without this judge's scores."""
-    from captionflow.pipeline.pairwise import resolve_baseline  # pairwise imports this module
-
     base = resolve_baseline(store, run, cfg.verdict_against, what="verdict_against")
     if base is None:
         log.info("verdict sequential: no %s comparable run yet, so every caption is judged", cfg.verdict_against)

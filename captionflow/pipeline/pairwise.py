@@ -13,22 +13,20 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Optional
 
 from captionflow.config import RunConfig
 from captionflow.data.fingerprint import digest
-from captionflow.data.layout import CAPTIONS, SCORES, read_captions
+from captionflow.data.layout import SCORES, read_captions
 from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
-from captionflow.errors import BaselineError
 from captionflow.evaluation.pairwise_scores import per_image_scores
 from captionflow.evaluation.sequential import PrefixVerdict, seeded_order
 from captionflow.evaluation.significance import win_rate
 from captionflow.model_source import ResolvedModel
+from captionflow.pipeline.baseline import resolve_baseline
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.judge import judge_passes, parse_rate
 from captionflow.pipeline.ledger import Ledger
-from captionflow.report.markdown import read_leaderboard
 from captionflow.results import InferenceResult, Manifest, PairwiseResult
 from captionflow.workers.llm_rows import (
     ORDERS,
@@ -44,43 +42,6 @@ from captionflow.workers.llm_rows import (
     pairwise_request,
     split_pair_id,
 )
-
-LATEST, BEST = "previous", "best"
-
-
-def resolve_baseline(
-    store: Store, run: tuple[str, ...], against: str, what: str = "pairwise_against"
-) -> Optional[dict]:
-    """The leaderboard row (or a row-like dict for a run folder) of the baseline run; None for ``previous`` or
-    ``best`` when no comparable run exists yet. Raises BaselineError (naming the parameter ``what``) for a baseline
-    that cannot be found."""
-    ds_fp, model_fp, gen_fp = run[1], run[2], run[3]
-    board = [
-        r for r in read_leaderboard(store) if r["dataset_fingerprint"] == ds_fp and r["model_fingerprint"] != model_fp
-    ]
-    same = [r for r in board if r["generation_fingerprint"] == gen_fp]
-    if against == LATEST:
-        return max(same, key=lambda r: r["evaluated_at"], default=None)
-    if against == BEST:
-        return max((r for r in same if r.get("cider") is not None), key=lambda r: r["cider"], default=None) or max(
-            (r for r in same if r.get("judge_mean") is not None), key=lambda r: r["judge_mean"], default=None
-        )
-    named = [r for r in same if against in (r["model"], r["run_dir"]) or r["model_fingerprint"].startswith(against)]
-    if named:
-        return max(named, key=lambda r: r["evaluated_at"])
-    folder = Store(against)
-    if folder.exists(CAPTIONS):
-        if f"/runs/{ds_fp}/" not in "/" + folder.url().strip("/") + "/":
-            raise BaselineError(f"{what}: {against} is a run on another dataset (this one is {ds_fp})")
-        row = next((r for r in board if r["run_dir"].rstrip("/") == folder.url().rstrip("/")), None)
-        if row:  # a run folder on the leaderboard (external captions, other generation settings): by its name
-            return row
-        return {"model": against, "run_dir": folder.url(), "model_fingerprint": folder.url().rstrip("/").split("/")[-2]}
-    known = ", ".join(sorted({r["model"] for r in same})) or "none"
-    raise BaselineError(
-        f"{what}: {against!r} is neither 'previous', 'best', a checkpoint evaluated on this dataset with "
-        f"these generation settings (known: {known}) nor a run folder with captions/"
-    )
 
 
 def pairwise_run_parts(

@@ -10,7 +10,7 @@ from captionflow.data.layout import CAPTIONS
 from captionflow.data.storage import Store
 from captionflow.errors import BaselineError
 from captionflow.evaluation.pairwise_scores import pairwise_per_image
-from captionflow.pipeline.pairwise import BEST, LATEST, resolve_baseline
+from captionflow.pipeline.baseline import BEST, LATEST, resolve_baseline
 from captionflow.report.markdown import update_leaderboard
 
 
