@@ -3,11 +3,13 @@ comparable runs on the leaderboard, a checkpoint evaluated on this dataset, or a
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Optional
 
 from captionflow.data.layout import CAPTIONS
 from captionflow.data.storage import Store
 from captionflow.errors import BaselineError
+from captionflow.evaluation.sequential import PrefixVerdict, seeded_order
 from captionflow.report.markdown import read_leaderboard
 
 LATEST, BEST = "previous", "best"
@@ -46,3 +48,26 @@ def resolve_baseline(
         f"{what}: {against!r} is neither 'previous', 'best', a checkpoint evaluated on this dataset with "
         f"these generation settings (known: {known}) nor a run folder with captions/"
     )
+
+
+def baseline_order(run: tuple[str, ...], base: dict, images: Iterable[str]) -> list[str]:
+    """A sequential verdict's order of ``images`` against the baseline run ``base``: seeded by the dataset and the
+    baseline run folder, so that a rerun or a resume continues the same sample."""
+    return seeded_order(sorted(images), f"{run[1]}:{base['run_dir'].rstrip('/')}")
+
+
+def baseline_verdict(
+    cfg,
+    base: dict,
+    order: list[str],
+    differences: Callable[[dict], dict[str, float]],
+    bounds: tuple[float, float],
+    score: str,
+    metric: str,
+    extra: Optional[dict] = None,
+) -> PrefixVerdict:
+    """The sequential verdict against ``base`` in ``order`` (``baseline_order``), with the run's alpha and margin."""
+    return PrefixVerdict(
+        order, differences, bounds, cfg.verdict_alpha, cfg.verdict_margin, score,
+        against=base["model"], against_run=base["run_dir"], metric=metric, extra=extra,
+    )  # fmt: skip

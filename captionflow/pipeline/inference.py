@@ -31,11 +31,10 @@ from captionflow.evaluation.sequential import (
     PrefixVerdict,
     paired_bounds,
     paired_differences,
-    seeded_order,
     verdict_line,
 )
 from captionflow.model_source import ClipModel, ResolvedModel
-from captionflow.pipeline.baseline import resolve_baseline
+from captionflow.pipeline.baseline import baseline_order, baseline_verdict, resolve_baseline
 from captionflow.pipeline.clip_score import PrefixClipScore
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.ledger import Ledger, Progress, run_passes
@@ -242,7 +241,7 @@ def sequential_verdict(
     theirs = {i: c for i, c in read_captions(Store(baseline["run_dir"]), ()).items() if i in ids and i in population}
     if not theirs:
         raise BaselineError(f"verdict_against: the run {baseline['run_dir']} has no captions of this dataset's images")
-    order = seeded_order(sorted(theirs), f"{run[1]}:{baseline['run_dir'].rstrip('/')}")
+    order = baseline_order(run, baseline, theirs)
     if score == "cider":
         # the references' document frequencies are counted while the run's requests start (~1.7 s for 5,000
         # images on 2 cores); the first captions to score wait for them
@@ -257,17 +256,9 @@ def sequential_verdict(
             "clip_model": clip.source,
             "baseline_scores": f"{baseline['run_dir'].rstrip('/')}/clip/{clip.fingerprint}",
         }
-    return PrefixVerdict(
-        order,
-        paired_differences(scorer, theirs),
-        paired_bounds(bounds),
-        cfg.verdict_alpha,
-        cfg.verdict_margin,
-        name,
-        against=baseline["model"],
-        against_run=baseline["run_dir"],
-        metric="cider" if score == "cider" else "clip_score",
-        extra=extra,
+    metric = "cider" if score == "cider" else "clip_score"
+    return baseline_verdict(
+        cfg, baseline, order, paired_differences(scorer, theirs), paired_bounds(bounds), name, metric, extra
     )
 
 

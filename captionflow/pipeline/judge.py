@@ -21,9 +21,9 @@ from captionflow.data.layout import FAILURES, SCORES, judge_parts, read_captions
 from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
 from captionflow.errors import BaselineError
-from captionflow.evaluation.sequential import PrefixVerdict, seeded_order
+from captionflow.evaluation.sequential import PrefixVerdict
 from captionflow.model_source import ResolvedModel
-from captionflow.pipeline.baseline import resolve_baseline
+from captionflow.pipeline.baseline import baseline_order, baseline_verdict, resolve_baseline
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.ledger import Ledger, run_passes
 from captionflow.pipeline.processor import build_vlm_processor, fitted_folder, map_task_kwargs, read_pending
@@ -88,17 +88,15 @@ def judge_verdict(
             f"verdict_against: the run {base['run_dir']} has no scores by the judge {judge.source} with these "
             "settings (run it with judge, or use another verdict_score)"
         )
-    return PrefixVerdict(
-        seeded_order(common, f"{run[1]}:{base['run_dir'].rstrip('/')}"),
+    return baseline_verdict(
+        cfg,
+        base,
+        baseline_order(run, base, common),
         lambda mine: {i: mine[i] - theirs[i] for i in mine},
         (-4.0, 4.0),
-        cfg.verdict_alpha,
-        cfg.verdict_margin,
         "judge score",
-        against=base["model"],
-        against_run=base["run_dir"],
-        metric="judge_mean",
-        extra={"judge_model": judge.source, "baseline_scores": folder},
+        "judge_mean",
+        {"judge_model": judge.source, "baseline_scores": folder},
     )
 
 

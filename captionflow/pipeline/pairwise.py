@@ -20,10 +20,10 @@ from captionflow.data.layout import SCORES, read_captions
 from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
 from captionflow.evaluation.pairwise_scores import per_image_scores
-from captionflow.evaluation.sequential import PrefixVerdict, seeded_order
+from captionflow.evaluation.sequential import PrefixVerdict
 from captionflow.evaluation.significance import win_rate
 from captionflow.model_source import ResolvedModel
-from captionflow.pipeline.baseline import resolve_baseline
+from captionflow.pipeline.baseline import baseline_order, baseline_verdict, resolve_baseline
 from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.judge import judge_passes, parse_rate
 from captionflow.pipeline.ledger import Ledger
@@ -143,17 +143,14 @@ def pairwise_verdict(cfg: RunConfig, run: tuple[str, ...], base: dict, images: s
     both runs captioned, judged in an order seeded by the dataset and the baseline run; an image's value is this
     run's share of its two judgements (1 won both, 0.5 split or tied, 0 lost both), its difference from an even
     split the share minus 0.5, within (-0.5, 0.5): the interval is for the win rate over the whole set minus 0.5."""
-    order = seeded_order(sorted(images), f"{run[1]}:{base['run_dir'].rstrip('/')}")
-    return PrefixVerdict(
-        order,
+    return baseline_verdict(
+        cfg,
+        base,
+        baseline_order(run, base, images),
         lambda shares: {i: s - 0.5 for i, s in shares.items()},
         (-0.5, 0.5),
-        cfg.verdict_alpha,
-        cfg.verdict_margin,
         "pairwise win rate",
-        against=base["model"],
-        against_run=base["run_dir"],
-        metric="pairwise_score",
+        "pairwise_score",
     )
 
 
