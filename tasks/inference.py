@@ -231,7 +231,9 @@ def inference_task(cfg: RunConfig, manifest: Manifest, checked: PreflightResult)
     at_risk = functools.partial(emit_at_risk, cfg, store.url(*run), deadline) if deadline else None
     progress = ProgressArtifact(store.path(*run), deadline=deadline, at_risk=at_risk)
     try:
-        result = run_inference(cfg, manifest, checked.model, checked.engine, progress, checked.clip)
+        result = run_inference(
+            cfg, manifest, checked.model, checked.engine, progress, checked.clip, checked.judge, checked.judge_engine
+        )
     except BaseException as e:
         progress.failed(e)
         raise

@@ -86,3 +86,10 @@ def read_captions(store, run: tuple[str, ...]) -> dict[str, str]:
     """image id -> caption, of the captions committed under a run folder (each image once)."""
     t = store.read_unique(store.ls(*run, CAPTIONS, suffix=".parquet"), columns=["image_id", "caption"])
     return dict(zip(t["image_id"].to_pylist(), t["caption"].to_pylist())) if t is not None else {}
+
+
+def caption_failures(store, run: tuple[str, ...]) -> set[str]:
+    """The images of a run folder whose caption failed (the engine rejected every attempt so far) and that have no
+    caption committed."""
+    failed = store.ids(store.ls(*run, FAILURES, suffix=".parquet"))
+    return failed - store.ids(store.ls(*run, CAPTIONS, suffix=".parquet")) if failed else set()

@@ -50,10 +50,17 @@ def resolve_baseline(
     )
 
 
-def baseline_order(run: tuple[str, ...], base: dict, images: Iterable[str]) -> list[str]:
+def baseline_order(
+    run: tuple[str, ...], base: dict, images: Iterable[str], universe: Optional[Iterable[str]] = None
+) -> list[str]:
     """A sequential verdict's order of ``images`` against the baseline run ``base``: seeded by the dataset and the
-    baseline run folder, so that a rerun or a resume continues the same sample."""
-    return seeded_order(sorted(images), f"{run[1]}:{base['run_dir'].rstrip('/')}")
+    baseline run folder, so that a rerun or a resume continues the same sample. ``universe`` (a superset of
+    ``images``): the order is its order with the others left out, so that images left out later (a caption that
+    failed for good) keep the committed prefix a prefix; a random order's restriction to a set chosen without
+    looking at it is a random order of that set."""
+    keep = set(images)
+    order = seeded_order(sorted(keep if universe is None else universe), f"{run[1]}:{base['run_dir'].rstrip('/')}")
+    return [i for i in order if i in keep]
 
 
 def baseline_verdict(

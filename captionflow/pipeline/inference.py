@@ -10,6 +10,7 @@ settings in another run folder (the dataset gained or lost files around it) are 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import os
@@ -21,7 +22,7 @@ import pyarrow.compute as pc
 
 from captionflow.config import RunConfig
 from captionflow.data.fingerprint import generation_fingerprint
-from captionflow.data.layout import CAPTIONS, read_captions, run_parts, shard_paths
+from captionflow.data.layout import CAPTIONS, SCORES, caption_failures, read_captions, run_parts, shard_paths
 from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
 from captionflow.errors import BaselineError, DatasetError, RowsFailed
@@ -37,7 +38,9 @@ from captionflow.model_source import ClipModel, ResolvedModel
 from captionflow.pipeline.baseline import baseline_order, baseline_verdict, resolve_baseline
 from captionflow.pipeline.clip_score import PrefixClipScore
 from captionflow.pipeline.engine import EngineSettings
+from captionflow.pipeline.judge import JudgeAlongside, alongside, judge_alongside
 from captionflow.pipeline.ledger import Ledger, Progress, run_passes
+from captionflow.pipeline.pairwise import pairwise_alongside
 from captionflow.pipeline.processor import build_vlm_processor, fitted_folder, map_task_kwargs, read_pending
 from captionflow.pipeline.request_format import image_prompt
 from captionflow.pipeline.session import ray_session
@@ -45,7 +48,13 @@ from captionflow.pipeline.staging import staged
 from captionflow.results import InferenceResult, Manifest
 from captionflow.service import runs as service
 from captionflow.workers.clip_rows import BOUNDS as CLIP_BOUNDS
-from captionflow.workers.llm_rows import CAPTION_SCHEMA, caption_fixed_schema, caption_request, to_caption
+from captionflow.workers.llm_rows import (
+    CAPTION_SCHEMA,
+    caption_fixed_schema,
+    caption_request,
+    to_caption,
+    to_judged_caption,
+)
 
 log = logging.getLogger("captionflow.inference")
 
@@ -90,10 +99,13 @@ def run_inference(
     engine: EngineSettings,
     progress: Optional[Progress] = None,
     clip: Optional[ClipModel] = None,
+    judge: Optional[ResolvedModel] = None,
+    judge_engine: Optional[EngineSettings] = None,
 ) -> InferenceResult:
-    """Caption every accepted row not yet captioned (``clip``: the CLIP checkpoint of a CLIPScore verdict). Rows
-    that still failed after every pass are counted; more than ``max_failure_rate`` of them raises RowsFailed (with
-    the result)."""
+    """Caption every accepted row not yet captioned (``clip``: the CLIP checkpoint of a CLIPScore verdict;
+    ``judge``, ``judge_engine``: the judge of a verdict on the judge's score or the pairwise win, which judges the
+    captions as they are made where it can: ``judging_alongside``). Rows that still failed after every pass are
+    counted; more than ``max_failure_rate`` of them raises RowsFailed (with the result)."""
     t_start = time.perf_counter()
     store = Store(cfg.output)
     run = caption_run_parts(cfg, manifest, model, engine)
@@ -139,16 +151,29 @@ def run_inference(
         )
         if verdict is not None:
             verdict.observe(read_captions(store, run))  # a rerun or resume continues the same order's prefix
-        if all_ids - done and not (verdict and verdict.decided):
+        judging = judging_alongside(cfg, store, run, engine, all_ids, judge, judge_engine)
+        if judging is not None and judging.observe_committed(store):
+            log.info("the %s's sequential verdict is in from the judgements committed", judging.what)
+        if all_ids - done and not (verdict and verdict.decided) and not (judging and judging.verdict.decided):
             t0 = time.perf_counter()
             local = ray_session(cfg).started_here
             timings["ray_init_s"] = round(time.perf_counter() - t0, 2)
-            with service.for_run(cfg, model, engine) as warm:  # its checkpoint loads while the passes start
+            with service.for_run(cfg, model, engine) as warm, contextlib.ExitStack() as judge_side:
+                if warm is not None and judging is not None:
+                    log.info("verdict sequential on the %s: warm engines caption the full set, the judging stops "
+                             "once sure", judging.what)  # fmt: skip
+                    judging = None
+                side = judge_path = None
+                if judging is not None:  # its folder is ours for the pass, its checkpoint staged like the captioner's
+                    side = judge_side.enter_context(_judge_ledger(cfg, store, judging))
+                    judge_path = judge_side.enter_context(staged(judging.judge.path, judging.engine.compile_dir, local))
                 with staged(model.path, engine.compile_dir, local=local and warm is None) as path:
                     fitted = fitted_folder(cfg, store, manifest, engine)
                     rows_for = _caption_rows(
-                        cfg, model, path, engine, store, shards, fitted, warm, ordered=verdict is not None
-                    )
+                        cfg, model, path, engine, store, shards, fitted, warm, ordered=verdict is not None,
+                        judging=judging, judge_path=judge_path,
+                    )  # fmt: skip
+                    decider = verdict or (judging.verdict if judging else None)
                     passes = run_passes(
                         ledger,
                         all_ids,
@@ -156,10 +181,13 @@ def run_inference(
                         cfg.row_retries,
                         rows_for,
                         progress,
-                        order=verdict.order if verdict else None,
-                        stop=(lambda rows: verdict.observe({r["image_id"]: r["caption"] for r in rows}))
+                        order=decider.order if decider else None,
+                        stop=judging.stop
+                        if judging
+                        else (lambda rows: verdict.observe({r["image_id"]: r["caption"] for r in rows}))
                         if verdict
                         else None,
+                        side=side,
                     )
                 if warm is not None:
                     warm.wait()
@@ -182,8 +210,12 @@ def run_inference(
     )
     if verdict:
         log.info("sequential verdict: %s", verdict_line(result.verdict))
-        if verdict.decided:  # the images the verdict did not need are not failures: only the last pass's are
-            result.failed = passes[-1].failed if passes and passes[-1].stopped else 0
+    elif judging is not None and judging.verdict.decided:
+        log.info("captioning stopped, the %s's sequential verdict is in: %s", judging.what,
+                 verdict_line(judging.verdict.record()))  # fmt: skip
+    if (verdict or judging) and (verdict or judging.verdict).decided:
+        # the images the verdict did not need are not failures: only the last pass's are
+        result.failed = passes[-1].failed if passes and passes[-1].stopped else 0
     if result.failed:
         share = result.failed / max(result.accepted, 1)
         message = (
@@ -198,6 +230,43 @@ def run_inference(
             )
         log.warning("%s; a rerun retries them", message)
     return result
+
+
+def judging_alongside(
+    cfg: RunConfig,
+    store: Store,
+    run: tuple[str, ...],
+    engine: EngineSettings,
+    ids: set[str],
+    judge: Optional[ResolvedModel],
+    judge_engine: Optional[EngineSettings],
+) -> Optional[JudgeAlongside]:
+    """For a sequential verdict on the judge's score or the pairwise win, its judge judging the captions of
+    ``ids`` as they are made, so that the captioning stops once the verdict is in (``judge.JudgeAlongside``); None
+    (said in the log) where it cannot (``judge.alongside``: the run captions the full set, and the judge or pairwise
+    stage's judging stops once sure) or there is no baseline yet. BaselineError for a baseline without what the
+    verdict needs, before any engine starts."""
+    if cfg.verdict != "sequential" or cfg.verdict_score not in ("judge", "pairwise"):
+        return None
+    what = "pairwise judge" if cfg.verdict_score == "pairwise" else "judge's score"
+    why = alongside(cfg, engine, judge, judge_engine)
+    if why:
+        log.info("verdict sequential on the %s: %s, so the full set is captioned and the judging stops once sure",
+                 what, why)  # fmt: skip
+        return None
+    make = pairwise_alongside if cfg.verdict_score == "pairwise" else judge_alongside
+    return make(cfg, store, run, ids, caption_failures(store, run), judge, judge_engine)
+
+
+@contextlib.contextmanager
+def _judge_ledger(cfg: RunConfig, store: Store, judging: JudgeAlongside):
+    """The ledger of the judgements made alongside the captioning, holding their folder's lease."""
+    what = f"the {judging.what} folder {store.url(*judging.parts)}"
+    with Lease(store, "/".join(judging.parts), what=what, wait_s=cfg.lease_wait_s) as lease:
+        yield Ledger(
+            store, judging.parts, SCORES, judging.task.schema, cfg.commit_rows, lease=lease,
+            stall_timeout_s=cfg.stall_timeout_s, what=judging.what,
+        )  # fmt: skip
 
 
 def sequential_verdict(
@@ -217,9 +286,7 @@ def sequential_verdict(
     set, said in the log) while no baseline exists yet, and for a judge or pairwise verdict (their stage decides, on
     the full set's captions: ``judge.judge_verdict``, ``pairwise.pairwise_verdict``); DatasetError for a dataset the
     score cannot score."""
-    if cfg.verdict_score in ("judge", "pairwise"):
-        log.info("verdict sequential on the %s: the full set is captioned, the judging stops once sure",
-                 "pairwise judge" if cfg.verdict_score == "pairwise" else "judge's score")  # fmt: skip
+    if cfg.verdict_score in ("judge", "pairwise"):  # their judge decides (judging_alongside)
         return None
     baseline = resolve_baseline(store, run, cfg.verdict_against, what="verdict_against")
     if baseline is None:
@@ -272,11 +339,14 @@ def _caption_rows(
     fitted: Optional[str],
     warm=None,
     ordered: bool = False,
+    judging: Optional[JudgeAlongside] = None,
+    judge_path: Optional[str] = None,
 ):
     """``rows_for(attempt, pending)``: the Ray dataset of caption rows for one pass; the engines load
     ``model_path`` (the checkpoint, or its staged slot: staging.py); ``fitted``: where the dataset's images
     fitted to the engine's grid are kept (``processor.fitted_folder``); ``ordered``: the rows go to the engines in
-    ``pending``'s order (a sequential verdict's)."""
+    ``pending``'s order (a sequential verdict's); ``judging``: each caption goes on to its judge (loaded from
+    ``judge_path``) in the same pass, the rows in that order, each with its judgement (``Ledger.drain``'s side)."""
     inject = frozenset(x for x in os.environ.get(INJECT_ENV, "").split(",") if x)
     sampling = {
         "max_tokens": cfg.max_tokens,
@@ -298,15 +368,22 @@ def _caption_rows(
                 sampling=sampling,
                 fail_ids=inject if attempt == 0 else frozenset(),
                 grid=engine.image_grid,
+                judged=judging is not None,
             ),
             postprocess=functools.partial(
-                to_caption, max_tokens=cfg.max_tokens, model_fp=model.fingerprint, attempt=attempt
+                to_judged_caption if judging else to_caption,
+                max_tokens=cfg.max_tokens,
+                model_fp=model.fingerprint,
+                attempt=attempt,
             ),
             warm=warm,
             rows=len(pending),
-            ordered=ordered,
+            ordered=ordered or judging is not None,
         )
-        ds = read_pending(store.fs, shards, ["image_id", "image"], pending, engine, fitted, ordered=ordered)
+        columns = ["image_id", "image", "references"] if judging else ["image_id", "image"]
+        ds = read_pending(store.fs, shards, columns, pending, engine, fitted, ordered=ordered or judging is not None)
+        if judging:
+            return judging.after(processor(ds), cfg, judge_path, attempt, len(pending), model.fingerprint)
         return processor(ds).map(
             functools.partial(caption_fixed_schema, model_fp=model.fingerprint, attempt=attempt),
             **map_task_kwargs(engine),

@@ -13,11 +13,22 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Optional
+
+import pyarrow as pa
 
 from captionflow.config import RunConfig
 from captionflow.data.fingerprint import digest
-from captionflow.data.layout import FAILURES, SCORES, judge_parts, read_captions, read_scores, shard_paths
+from captionflow.data.layout import (
+    FAILURES,
+    SCORES,
+    caption_failures,
+    judge_parts,
+    read_captions,
+    read_scores,
+    shard_paths,
+)
 from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
 from captionflow.errors import BaselineError
@@ -36,10 +47,14 @@ from captionflow.workers.llm_rows import (
     JUDGE_REGEX,
     JUDGE_SCHEMA,
     JUDGE_SYSTEM,
+    both_orders,
     judge_fixed_schema,
     judge_out,
     judge_prompt,
     judge_request,
+    judged_fixed_schema,
+    judged_out,
+    judged_request,
 )
 
 log = logging.getLogger("captionflow.judge")
@@ -69,20 +84,22 @@ def judge_verdict(
     run: tuple[str, ...],
     judge: ResolvedModel,
     engine: EngineSettings,
-    captions: dict[str, str],
+    images: set[str],
+    failed: set[str],
 ) -> Optional[PrefixVerdict]:
     """The sequential verdict on the judge's 1-5 score (``verdict sequential``, ``verdict_score judge``) against
-    ``verdict_against``: the images both runs have scores of by this judge (the same checkpoint, settings and prompt:
-    the baseline's ``judge/<fingerprint>``), judged in an order seeded by the dataset and the baseline run; each
-    image's difference is this run's score minus the baseline's, within (-4, 4). None (the full set judged, said
-    in the log) while no baseline exists yet; BaselineError for a baseline without this judge's scores."""
+    ``verdict_against``: the dataset's ``images`` the baseline has scores of by this judge (the same checkpoint,
+    settings and prompt: the baseline's ``judge/<fingerprint>``), but those whose caption ``failed``, judged in an
+    order seeded by the dataset and the baseline run (``baseline_order``); each image's difference is this run's
+    score minus the baseline's, within (-4, 4). None (the full set judged, said in the log) while no baseline
+    exists yet; BaselineError for a baseline without this judge's scores."""
     base = resolve_baseline(store, run, cfg.verdict_against, what="verdict_against")
     if base is None:
         log.info("verdict sequential: no %s comparable run yet, so every caption is judged", cfg.verdict_against)
         return None
     folder = f"{base['run_dir'].rstrip('/')}/judge/{judge_fingerprint(judge, engine)}"
     theirs = read_scores(folder, "score")
-    common = sorted(set(captions) & set(theirs))
+    common = set(images) & set(theirs)
     if not common:
         raise BaselineError(
             f"verdict_against: the run {base['run_dir']} has no scores by the judge {judge.source} with these "
@@ -91,7 +108,7 @@ def judge_verdict(
     return baseline_verdict(
         cfg,
         base,
-        baseline_order(run, base, common),
+        baseline_order(run, base, common - failed, common),
         lambda mine: {i: mine[i] - theirs[i] for i in mine},
         (-4.0, 4.0),
         "judge score",
@@ -112,7 +129,8 @@ def run_judge(
     passes = []
     verdict = None
     if cfg.verdict == "sequential" and cfg.verdict_score == "judge":
-        verdict = judge_verdict(cfg, store, run, judge, engine, captions)
+        images = store.ids(shard_paths(store, manifest))
+        verdict = judge_verdict(cfg, store, run, judge, engine, images, caption_failures(store, run))
     with Lease(store, "/".join(base), what=f"the judge folder {store.url(*base)}", wait_s=cfg.lease_wait_s) as lease:
         ledger = Ledger(
             store,
@@ -129,12 +147,7 @@ def run_judge(
             verdict.observe(read_scores(store.url(*base), "score"))
         if set(captions) - done and not (verdict and verdict.decided):
             passes = judge_passes(
-                cfg, manifest, judge, engine, ledger, set(captions), done,
-                regex=JUDGE_REGEX,
-                max_tokens=JUDGE_MAX_TOKENS,
-                request=functools.partial(judge_request, captions=captions),
-                out=judge_out,
-                fixed=judge_fixed_schema,
+                cfg, manifest, judge, engine, ledger, set(captions), done, judge_task(captions),
                 order=verdict.order if verdict else None,
                 stop=(lambda rows: verdict.observe({r["image_id"]: r["score"] for r in rows})) if verdict else None,
             )  # fmt: skip
@@ -166,6 +179,53 @@ def parse_rate(store: Store, base: tuple[str, ...], n_parsed: int) -> float:
     return n_parsed / (n_parsed + n_unparsed) if n_parsed or n_unparsed else 0.0
 
 
+@dataclass(frozen=True)
+class JudgeTask:
+    """What a judge is asked, through structured output (``regex``, greedy, at most ``max_tokens``): ``request(row,
+    image_prompt=, sampling=, grid=)`` builds each request from a dataset row, ``out(row, attempt=)`` parses the
+    answer, ``fixed(row, attempt=)`` gives error rows the ledger's ``schema``. ``fan_out(pending)``, for results
+    that are not one per image (pairwise: two orders, ``<image_id>#ab|#ba``), gives the images to read and the
+    row -> rows function that makes each image's pending requests."""
+
+    regex: str
+    max_tokens: int
+    request: Callable
+    out: Callable
+    fixed: Callable
+    schema: pa.Schema
+    fan_out: Optional[Callable[[list[str]], tuple[list[str], Callable]]] = None
+
+
+def judge_processor(
+    cfg: RunConfig,
+    judge: ResolvedModel,
+    engine: EngineSettings,
+    task: JudgeTask,
+    judge_path: str,
+    attempt: int,
+    rows: int,
+    ordered: bool,
+    after_captions: Optional[str] = None,
+):
+    """The Ray Data LLM processor of one judge pass over ``rows`` requests (the judge loaded from ``judge_path``:
+    the checkpoint, or its staged slot); ``after_captions`` (the captioning checkpoint's fingerprint): the rows
+    are a captioner's results in the same pass (``JudgeAlongside``)."""
+    sampling = {
+        "max_tokens": task.max_tokens,
+        "temperature": 0.0,
+        "seed": cfg.seed,
+        "structured_outputs": {"regex": task.regex},
+    }
+    request = functools.partial(
+        task.request, image_prompt=image_prompt(judge.path), sampling=sampling, grid=engine.image_grid
+    )
+    out = functools.partial(task.out, attempt=attempt)
+    if after_captions is not None:
+        request = functools.partial(judged_request, request=request)
+        out = functools.partial(judged_out, out=task.out, attempt=attempt, pairs=task.fan_out is not None)
+    return build_vlm_processor(engine, judge_path, preprocess=request, postprocess=out, rows=rows, ordered=ordered)
+
+
 def judge_passes(
     cfg: RunConfig,
     manifest: Manifest,
@@ -174,47 +234,112 @@ def judge_passes(
     ledger: Ledger,
     todo: set[str],
     done: set[str],
-    *,
-    regex: str,
-    max_tokens: int,
-    request: Callable,
-    out: Callable,
-    fixed: Callable,
-    fan_out: Optional[Callable[[list[str]], tuple[list[str], Callable]]] = None,
+    task: JudgeTask,
     order: Optional[list[str]] = None,
     stop: Optional[Callable[[list[dict]], bool]] = None,
 ) -> list[PassResult]:
-    """The passes of a judge that answers through structured output (``regex``, greedy): ``request(row,
-    image_prompt=, sampling=, grid=)`` builds each request from a dataset row, ``out(row, attempt=)`` parses the answer,
-    ``fixed(row, attempt=)`` gives error rows the ledger's schema. ``fan_out(pending)``, for results that are
-    not one per image (pairwise: two orders), gives the images to read and the row -> rows function that
-    makes each image's pending requests. ``order`` and ``stop``: a sequential verdict's (``run_passes``): the images
-    go to the engines in that order, and the pass ends once ``stop`` says so."""
+    """The passes of a judge (``task``) over ``todo``. ``order`` and ``stop``: a sequential verdict's
+    (``run_passes``): the images go to the engines in that order, and the pass ends once ``stop`` says so."""
     local = ray_session(cfg).started_here
     store = ledger.store
     shards = shard_paths(store, manifest)
     fitted = fitted_folder(cfg, store, manifest, engine)
-    sampling = {"max_tokens": max_tokens, "temperature": 0.0, "seed": cfg.seed, "structured_outputs": {"regex": regex}}
     map_kwargs = map_task_kwargs(engine)
 
     def rows_for(attempt: int, pending: list[str], judge_path: str):
-        processor = build_vlm_processor(
-            engine,
-            judge_path,
-            preprocess=functools.partial(
-                request, image_prompt=image_prompt(judge.path), sampling=sampling, grid=engine.image_grid
-            ),
-            postprocess=functools.partial(out, attempt=attempt),
-            rows=len(pending),
-            ordered=order is not None,
-        )
-        images, expand = fan_out(pending) if fan_out else (pending, None)
+        processor = judge_processor(cfg, judge, engine, task, judge_path, attempt, len(pending), order is not None)
+        images, expand = task.fan_out(pending) if task.fan_out else (pending, None)
         columns = ["image_id", "image", "references"]
         ds = read_pending(store.fs, shards, columns, images, engine, fitted, ordered=order is not None)
         if expand:
             ds = ds.flat_map(expand, **map_kwargs)
-        return processor(ds).map(functools.partial(fixed, attempt=attempt), **map_kwargs)
+        return processor(ds).map(functools.partial(task.fixed, attempt=attempt), **map_kwargs)
 
     with staged(judge.path, engine.compile_dir, local=local) as path:
         rows = functools.partial(rows_for, judge_path=path)
         return run_passes(ledger, todo, done, cfg.row_retries, rows, order=order, stop=stop)
+
+
+@dataclass
+class JudgeAlongside:
+    """A judge that judges a run's captions as they are made, in the captioning's own Ray Data job, for a
+    sequential verdict on the judge's score or the pairwise win (``verdict_score judge | pairwise``): each caption
+    goes on to the judge's engines as it comes out of the captioner's, the judgement commits beside the caption
+    (its folder ``parts``, the judge stage's), and once the verdict (``values``: committed judgement rows -> its
+    values) is in, the captioning stops too, not only the judging. The judge or pairwise stage after it finds the
+    judgements committed and the same verdict in. Cold engines on CPU (``alongside``); elsewhere the run captions the
+    full set and the stage's judging stops once sure."""
+
+    judge: ResolvedModel
+    engine: EngineSettings
+    task: JudgeTask
+    verdict: PrefixVerdict
+    parts: tuple[str, ...]
+    what: str
+    values: Callable[[list[dict]], dict]
+
+    def observe_committed(self, store: Store) -> bool:
+        """Feed the verdict the judgements already committed (a rerun, a resume); True once it is in."""
+        t = store.read_unique(store.ls(*self.parts, SCORES, suffix=".parquet"))
+        return self.verdict.observe(self.values(t.to_pylist() if t is not None else []))
+
+    def stop(self, rows: list[dict]) -> bool:
+        return self.verdict.observe(self.values(rows))
+
+    def after(self, captions, cfg: RunConfig, judge_path: str, attempt: int, rows: int, model_fp: str):
+        """The pass's result rows: ``captions`` (the captioner's rows, ``to_judged_caption``) judged."""
+        map_kwargs = map_task_kwargs(self.engine)
+        pairs = self.task.fan_out is not None
+        if pairs:
+            captions = captions.flat_map(both_orders, **map_kwargs)
+        processor = judge_processor(
+            cfg, self.judge, self.engine, self.task, judge_path, attempt, rows * (2 if pairs else 1), True, model_fp
+        )
+        fixed = functools.partial(
+            judged_fixed_schema, fixed=self.task.fixed, model_fp=model_fp, attempt=attempt, pairs=pairs
+        )
+        return processor(captions).map(fixed, **map_kwargs)
+
+
+def alongside(
+    cfg: RunConfig, engine: EngineSettings, judge: Optional[ResolvedModel], judge_engine: Optional[EngineSettings]
+) -> Optional[str]:
+    """Why a judge verdict's judge cannot run alongside the captioning (``JudgeAlongside``), or None where it can:
+    on CPU, the judge's image grid the captioner's (the judge takes the captioner's image arrays)."""
+    if judge is None or judge_engine is None:
+        return "no judge"
+    if engine.preset.engine_gpus or judge_engine.preset.engine_gpus:
+        return "on GPUs the captioner's engines fill them"
+    if judge_engine.image_grid != engine.image_grid:
+        return "the judge's image grid is not the captioner's"
+    return None
+
+
+def judge_alongside(
+    cfg: RunConfig,
+    store: Store,
+    run: tuple[str, ...],
+    images: set[str],
+    failed: set[str],
+    judge: ResolvedModel,
+    engine: EngineSettings,
+) -> Optional[JudgeAlongside]:
+    """The judge's 1-5 score verdict (``judge_verdict``) judged alongside the captioning of ``images``."""
+    verdict = judge_verdict(cfg, store, run, judge, engine, images, failed)
+    if verdict is None:
+        return None
+    task = judge_task(None)
+    values = lambda rows: {r["image_id"]: r["score"] for r in rows if not r["error"]}
+    return JudgeAlongside(judge, engine, task, verdict, judge_run_parts(run, judge, engine), "judge", values)
+
+
+def judge_task(captions: Optional[dict]) -> JudgeTask:
+    """The 1-5 score of each caption (``captions``: image id -> caption; None: the row's, alongside captioning)."""
+    return JudgeTask(
+        regex=JUDGE_REGEX,
+        max_tokens=JUDGE_MAX_TOKENS,
+        request=functools.partial(judge_request, captions=captions),
+        out=judge_out,
+        fixed=judge_fixed_schema,
+        schema=JUDGE_SCHEMA,
+    )

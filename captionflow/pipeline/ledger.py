@@ -105,16 +105,23 @@ class Ledger:
         done: set,
         on_rows: Optional[Callable[[int, int, float], None]] = None,
         stop: Optional[Callable[[list[dict]], bool]] = None,
+        side: Optional[Ledger] = None,
     ) -> tuple[int, int, Optional[float]]:
         """Pull the rows of Ray dataset ``out`` and commit them; ids of committed rows join ``done``.
         Returns (committed, failed, seconds to the first row); ``on_rows(results, committed, rows/s)`` as each
         result row arrives and after each commit; ``stop(rows)`` with each batch of rows without an error as it
         arrives: when it says True, what arrived is committed at once and the pass ends there (``self.stopped``),
-        its Ray job shut down."""
+        its Ray job shut down. ``side``: each row carries a result of a second stage of the same pass under
+        ``judged`` (a judge's, of the caption: ``judge.JudgeAlongside``; several rows may carry the same image's
+        row, one result each), committed to ``side`` right after each of this ledger's commits, and ``stop`` is
+        given those results instead."""
         t0 = time.perf_counter()
         self.stopped = False
         ok_rows: list[dict] = []
         failed_rows: list[dict] = []
+        side_rows: list[dict] = []
+        side_failed: list[dict] = []
+        seen: set[str] = set()  # this pass's image ids, with a side: an image's row comes once per side result
         first_row_s = t_first = None
         n_ok = 0
 
@@ -129,6 +136,9 @@ class Ledger:
             ids = [r["image_id"] for r in ok_rows]
             n_ok += self._commit(self.ok_kind, ok_rows)
             done.update(ids)
+            if side is not None:  # after the rows they are results of
+                side._commit(side.ok_kind, side_rows)
+                side._commit(FAILURES, side_failed)
             report()
 
         status = lambda: f"{n_ok + len(ok_rows)} {self.ok_kind} so far in this pass"
@@ -141,8 +151,15 @@ class Ledger:
                         if t_first is None:
                             t_first = time.perf_counter()
                             first_row_s = round(t_first - t0, 2)
-                        (failed_rows if row["error"] else ok_rows).append(row)
-                        if stop is not None and not row["error"] and stop([row]):
+                        carried = row.pop("judged", None) if side is not None else None
+                        judged = [carried] if carried is not None else []
+                        for r in judged:
+                            (side_failed if r["error"] else side_rows).append(r)
+                        if side is None or row["image_id"] not in seen:
+                            seen.add(row["image_id"])
+                            (failed_rows if row["error"] else ok_rows).append(row)
+                        given = [r for r in judged if not r["error"]] if side is not None else [row]
+                        if stop is not None and not row["error"] and given and stop(given):
                             self.stopped = True
                             commit()
                             break
@@ -176,11 +193,12 @@ def run_passes(
     progress: Optional[Progress] = None,
     order: Optional[list[str]] = None,
     stop: Optional[Callable[[list[dict]], bool]] = None,
+    side: Optional[Ledger] = None,
 ) -> list[PassResult]:
     """Send the ids of ``todo`` not yet in ``done`` through ``rows_for(attempt, pending)`` (a Ray dataset
     of fixed-schema result rows) and commit them; again for the rows that failed, up to ``row_retries``
-    more passes. ``order``: pending ids go in this order (else sorted); ``stop``: see ``Ledger.drain`` - once it
-    says True, no further pass."""
+    more passes. ``order``: pending ids go in this order (else sorted); ``stop``, ``side``: see ``Ledger.drain`` -
+    once ``stop`` says True, no further pass."""
     passes = []
     for attempt in range(row_retries + 1):
         left = todo - done
@@ -189,7 +207,7 @@ def run_passes(
             break
         t_pass = time.perf_counter()
         on_rows = _reporter(progress, len(done & todo), len(todo)) if progress else None
-        n_ok, n_failed, first_row_s = ledger.drain(rows_for(attempt, pending), done, on_rows, stop)
+        n_ok, n_failed, first_row_s = ledger.drain(rows_for(attempt, pending), done, on_rows, stop, side)
         passes.append(
             PassResult(
                 attempt=attempt,

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import Optional
 
 from captionflow.config import RunConfig
 from captionflow.data.fingerprint import digest
-from captionflow.data.layout import SCORES, read_captions
+from captionflow.data.layout import SCORES, caption_failures, read_captions, shard_paths
 from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
 from captionflow.evaluation.pairwise_scores import per_image_scores
@@ -25,7 +26,7 @@ from captionflow.evaluation.significance import win_rate
 from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.baseline import baseline_order, baseline_verdict, resolve_baseline
 from captionflow.pipeline.engine import EngineSettings
-from captionflow.pipeline.judge import judge_passes, parse_rate
+from captionflow.pipeline.judge import JudgeAlongside, JudgeTask, judge_passes, parse_rate
 from captionflow.pipeline.ledger import Ledger
 from captionflow.results import InferenceResult, Manifest, PairwiseResult
 from captionflow.workers.llm_rows import (
@@ -79,7 +80,9 @@ def run_pairwise(
     passes = []
     verdict = judged = None
     if cfg.verdict == "sequential" and cfg.verdict_score == "pairwise" and common:
-        verdict, judged = pairwise_verdict(cfg, run, base, common), JudgedShares()
+        images = store.ids(shard_paths(store, manifest))
+        verdict = pairwise_verdict(cfg, run, base, images & set(baseline), caption_failures(store, run))
+        judged = JudgedShares()
     what = f"the pairwise judge folder {store.url(*parts)}"
     with Lease(store, "/".join(parts), what=what, wait_s=cfg.lease_wait_s) as lease:
         ledger = Ledger(
@@ -93,13 +96,7 @@ def run_pairwise(
                                         if r["image_id"] in todo]))  # fmt: skip
         if todo - done and not (verdict and verdict.decided):
             passes = judge_passes(
-                cfg, manifest, judge, engine, ledger, todo, done,
-                regex=PAIRWISE_REGEX,
-                max_tokens=PAIRWISE_MAX_TOKENS,
-                request=functools.partial(pairwise_request, candidate=candidate, baseline=baseline),
-                out=pairwise_out,
-                fixed=pairwise_fixed_schema,
-                fan_out=both_orders_of,
+                cfg, manifest, judge, engine, ledger, todo, done, pairwise_task(candidate, baseline),
                 order=[pair_id(i, o) for i in verdict.order for o in ORDERS] if verdict else None,
                 stop=(lambda rows: verdict.observe(judged.add(rows))) if verdict else None,
             )  # fmt: skip
@@ -138,15 +135,54 @@ def both_orders_of(pending: list[str]) -> tuple[list[str], functools.partial]:
     return images, functools.partial(both_orders, pending=frozenset(pending))
 
 
-def pairwise_verdict(cfg: RunConfig, run: tuple[str, ...], base: dict, images: set[str]) -> PrefixVerdict:
-    """The sequential verdict on the pairwise judge (``verdict sequential``, ``verdict_score pairwise``): the images
-    both runs captioned, judged in an order seeded by the dataset and the baseline run; an image's value is this
-    run's share of its two judgements (1 won both, 0.5 split or tied, 0 lost both), its difference from an even
-    split the share minus 0.5, within (-0.5, 0.5): the interval is for the win rate over the whole set minus 0.5."""
+def pairwise_task(candidate: Optional[dict], baseline: dict) -> JudgeTask:
+    """Which of two captions of an image is better, in both orders (``candidate``: this run's captions, image id ->
+    caption; None: the row's, alongside captioning; ``baseline``: the baseline run's)."""
+    return JudgeTask(
+        regex=PAIRWISE_REGEX,
+        max_tokens=PAIRWISE_MAX_TOKENS,
+        request=functools.partial(pairwise_request, candidate=candidate, baseline=baseline),
+        out=pairwise_out,
+        fixed=pairwise_fixed_schema,
+        schema=PAIRWISE_SCHEMA,
+        fan_out=both_orders_of,
+    )
+
+
+def pairwise_alongside(
+    cfg: RunConfig,
+    store: Store,
+    run: tuple[str, ...],
+    images: set[str],
+    failed: set[str],
+    judge: ResolvedModel,
+    engine: EngineSettings,
+) -> Optional[JudgeAlongside]:
+    """The pairwise win verdict (``pairwise_verdict``) judged alongside the captioning of ``images``; None while
+    there is no baseline yet (the pairwise stage says so)."""
+    base = resolve_baseline(store, run, cfg.pairwise_against)
+    if base is None:
+        return None
+    baseline = read_captions(Store(base["run_dir"]), ())
+    verdict = pairwise_verdict(cfg, run, base, images & set(baseline), failed)
+    shares = JudgedShares()
+    values = lambda rows: shares.add([r for r in rows if not r["error"]])
+    parts = pairwise_run_parts(run, judge, engine, base["run_dir"])
+    return JudgeAlongside(judge, engine, pairwise_task(None, baseline), verdict, parts, "pairwise judge", values)
+
+
+def pairwise_verdict(
+    cfg: RunConfig, run: tuple[str, ...], base: dict, images: set[str], failed: set[str]
+) -> PrefixVerdict:
+    """The sequential verdict on the pairwise judge (``verdict sequential``, ``verdict_score pairwise``): the
+    dataset's ``images`` the baseline captioned, but those whose caption ``failed``, judged in an order seeded by
+    the dataset and the baseline run (``baseline_order``); an image's value is this run's share of its two
+    judgements (1 won both, 0.5 split or tied, 0 lost both), its difference from an even split the share minus
+    0.5, within (-0.5, 0.5): the interval is for the win rate over the whole set minus 0.5."""
     return baseline_verdict(
         cfg,
         base,
-        baseline_order(run, base, images),
+        baseline_order(run, base, images - failed, images),
         lambda shares: {i: s - 0.5 for i, s in shares.items()},
         (-0.5, 0.5),
         "pairwise win rate",

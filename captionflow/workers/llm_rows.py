@@ -55,7 +55,9 @@ def engine_request(row: dict, prompt: ImagePrompt, system: str, text: str, sampl
     (``prompt`` rendered around ``system`` and ``text``) and the image as an RGB array fitted to the engine's patch
     grid when ``grid`` is given - read fitted (``fitted_images``) or fitted here (``images.engine_image``)."""
     image = fitted_array(row)
-    if image is None:
+    if image is None and "image" not in row:  # a judge after the captioner in one pass: the captioner's array
+        image = row.pop(JUDGE_IMAGE)
+    elif image is None:
         image = engine_image(row.pop("image"), grid)
     return {
         "image_id": row["image_id"],
@@ -112,13 +114,17 @@ def caption_request(
     sampling: dict,
     fail_ids: frozenset,
     grid=None,
+    judged: bool = False,
 ) -> dict:
     """Preprocess: one captioning request. ``fail_ids``: rows sent with invalid sampling parameters
-    (temperature -1, which vLLM rejects), for the tests of per-row failures."""
+    (temperature -1, which vLLM rejects), for the tests of per-row failures. ``judged``: a judge takes the caption
+    on in the same pass, and the image array with it (``JUDGE_IMAGE``: the engine stage takes the request's out
+    of the row)."""
     params = dict(sampling)
     if row["image_id"] in fail_ids:
         params["temperature"] = -1.0
-    return engine_request(row, image_prompt, system_prompt, prompt, params, grid)
+    request = engine_request(row, image_prompt, system_prompt, prompt, params, grid)
+    return {**request, JUDGE_IMAGE: request["multimodal_data"]["image"]} if judged else request
 
 
 def to_caption(row: dict, *, max_tokens: int, model_fp: str, attempt: int) -> dict:
@@ -156,6 +162,48 @@ def caption_fixed_schema(row: dict, *, model_fp: str, attempt: int) -> dict:
     return fixed_schema(row, schema=CAPTION_SCHEMA, attempt=attempt, blank={**blank, "model_fingerprint": model_fp})
 
 
+# ---------------------------------------------------------------- captioning and judging in one pass
+# A sequential verdict on the judge's score or the pairwise win, cold on CPU: each caption goes on to the judge's
+# engines as it is made (``pipeline/judge.py``, ``JudgeAlongside``); a result row is the caption row with its
+# judgement under ``judged`` (None where the caption failed: it never reached the judge).
+JUDGE_IMAGE = "judge_image"
+
+
+def to_judged_caption(row: dict, **kwargs) -> dict:
+    """Postprocess of the captioner: the caption row, and what the judge's request needs of the row (the image as
+    the captioner's engine got it: the judge's grid is the same, and the references)."""
+    return {**to_caption(row, **kwargs), JUDGE_IMAGE: row[JUDGE_IMAGE], "references": row["references"]}
+
+
+def judged_request(row: dict, *, request, **kwargs) -> dict:
+    """Preprocess of the judge after the captioner: ``request``'s, but a row whose caption failed passes unjudged
+    (Ray Data LLM's stages let a row with ``__inference_error__`` through)."""
+    return {} if row.get("__inference_error__") else request(row, **kwargs)
+
+
+def caption_of(row: dict, image_id: str) -> dict:
+    return {**{k: row[k] for k in CAPTION_SCHEMA.names}, "image_id": image_id}
+
+
+def judged_out(row: dict, *, out, attempt: int, pairs: bool) -> dict:
+    """Postprocess of the judge after the captioner: the caption row (``pairs``: the rows are judgements of pairs,
+    ``<image_id>#ab|#ba``) with the judgement (``out``) under ``judged``."""
+    image_id = split_pair_id(row["image_id"])[0] if pairs else row["image_id"]
+    return {**caption_of(row, image_id), "judged": out(row, attempt=attempt)}
+
+
+def judged_fixed_schema(row: dict, *, fixed, model_fp: str, attempt: int, pairs: bool) -> dict:
+    """Every row of the pass in ``judged_out``'s shape: a failed caption's error row (``judged`` None), or a caption
+    whose judgement failed with the judge's error row (``fixed``)."""
+    if row.get("judged") is not None:
+        return row
+    image_id = split_pair_id(row["image_id"])[0] if pairs else row["image_id"]
+    if row.get("caption") is None:  # the caption failed: no caption column, the captioner's error
+        failed = caption_fixed_schema({**row, "image_id": image_id}, model_fp=model_fp, attempt=attempt)
+        return {**failed, "judged": None}
+    return {**caption_of(row, image_id), "judged": fixed(row, attempt=attempt)}
+
+
 # ---------------------------------------------------------------- judging
 def judge_prompt(caption: str, references: list[str]) -> str:
     refs = "".join(f"\n- {r}" for r in references)
@@ -167,9 +215,10 @@ def judge_prompt(caption: str, references: list[str]) -> str:
     )
 
 
-def judge_request(row: dict, *, captions: dict, image_prompt: ImagePrompt, sampling: dict, grid=None) -> dict:
-    """Preprocess: one judging request (the image, the caption, the references)."""
-    text = judge_prompt(captions[row["image_id"]], list(row.get("references") or []))
+def judge_request(row: dict, *, captions: Optional[dict], image_prompt: ImagePrompt, sampling: dict, grid=None) -> dict:
+    """Preprocess: one judging request (the image, the caption, the references); ``captions`` None: the row's."""
+    caption = row["caption"] if captions is None else captions[row["image_id"]]
+    text = judge_prompt(caption, list(row.get("references") or []))
     return engine_request(row, image_prompt, JUDGE_SYSTEM, text, sampling, grid)
 
 
@@ -235,22 +284,23 @@ def pairwise_prompt(caption_a: str, caption_b: str, references: list[str]) -> st
     )
 
 
-def both_orders(row: dict, *, pending: frozenset) -> list[dict]:
-    """One dataset row as its pending judgements: the row once per order still to judge."""
+def both_orders(row: dict, *, pending: Optional[frozenset] = None) -> list[dict]:
+    """One dataset row as its pending judgements: the row once per order still to judge (None: both)."""
     out = []
     for order in ORDERS:
         pid = pair_id(row["image_id"], order)
-        if pid in pending:
+        if pending is None or pid in pending:
             out.append({**row, "image_id": pid})
     return out
 
 
 def pairwise_request(
-    row: dict, *, candidate: dict, baseline: dict, image_prompt: ImagePrompt, sampling: dict, grid=None
+    row: dict, *, candidate: Optional[dict], baseline: dict, image_prompt: ImagePrompt, sampling: dict, grid=None
 ) -> dict:
-    """Preprocess: one pairwise request (the image, both captions in this row's order, the references)."""
+    """Preprocess: one pairwise request (the image, both captions in this row's order, the references);
+    ``candidate`` None: this run's caption is the row's."""
     image_id, order = split_pair_id(row["image_id"])
-    a, b = candidate[image_id], baseline[image_id]
+    a, b = row["caption"] if candidate is None else candidate[image_id], baseline[image_id]
     if order == "ba":
         a, b = b, a
     text = pairwise_prompt(a, b, list(row.get("references") or []))

@@ -1,7 +1,8 @@
 """The sequential verdict end to end: a real Prefect API, Ray Data and vLLM on CPU, real Parquet. A baseline whose
 captions are the references (external captions, `captionflow evaluate`) against the built-in random model: clearly
 worse, so the run stops captioning long before the set ends; the same run in full-set mode then captions the rest,
-every image once; then the same folder with CLIPScore, and with the pairwise judge's win, as the verdict's score."""
+every image once; then the same folder with CLIPScore, and with the pairwise judge's win, as the verdict's score;
+then a second checkpoint whose pairwise verdict stops the captioning itself (its judge beside the captioner)."""
 
 from __future__ import annotations
 
@@ -141,3 +142,25 @@ def test_a_sequential_run_stops_once_sure_and_a_full_run_captions_the_rest(prefe
     line = board[pair["run_dir"]]["verdict"]
     assert line.startswith(f"{p['decision']} after {p['images_used']} of {N} images (alpha 0.05, pairwise win rate ")
     assert f"win rate {0.5 + p['mean_difference']:.3f}, interval [{0.5 + p['lower']:.3f}, " in line
+
+    # a second checkpoint, the pairwise win as the verdict's score: its judge (the checkpoint itself, on CPU) judges
+    # each caption as it comes out of the captioner, in the same Ray Data job, and once the verdict is in the
+    # captioning stops too; the pairwise stage after it finds the judgements committed and the verdict in
+    from captionflow.builtin.model import build_builtin_model
+
+    ckpt2 = build_builtin_model(tmp_path / "ckpt-2", seed=1)
+    second = ["--model", str(ckpt2), "--pairwise-against", baseline, "--verdict-margin", "0.45", "--verdict-score"]
+    assert main([*run, str(tmp_path / "pair2.json"), *second, "pairwise", "--verdict", "sequential"]) == 0
+    pair2 = json.loads((tmp_path / "pair2.json").read_text())
+    q = pair2["metrics"]["sequential"]
+    assert pair2["run_dir"] != pair["run_dir"] and q["score"] == "pairwise win rate" and q["images_total"] == N
+    assert q["decision"] != "continue" and q["images_used"] < N // 2
+    captioned2 = _caption_rows(pair2["run_dir"])
+    assert q["images_used"] <= len(captioned2) < N and len(set(captioned2)) == len(captioned2)  # stopped, once each
+    assert pair2["counts"]["captioned"] == len(captioned2) and pair2["counts"]["failed"] == 0
+    assert pair2["passes"][-1]["stopped"] is True
+    judged2 = pair2["metrics"]["pairwise"]
+    rows = [r for f in Path(judged2["pairwise_dir"], "scores").glob("*.parquet") for r in pq.read_table(f).to_pylist()]
+    pairs = [r["image_id"] for r in rows]
+    assert len(set(pairs)) == len(pairs) and {i.rpartition("#")[0] for i in pairs} <= set(captioned2)
+    assert q["images_used"] <= judged2["judged"] <= len(captioned2) and judged2["failed"] == 0

@@ -36,13 +36,19 @@ def test_a_judge_verdict_compares_each_image_with_the_baseline_judged_by_the_sam
     store.write_table(scores, *judge_run_parts(base, checked.judge, checked.engine), SCORES, "part-0.parquet")
 
     against = cfg.model_copy(update={"verdict_against": store.url(*base)})
-    verdict = judge_verdict(against, store, mine, checked.judge, checked.engine, dict.fromkeys(ids, "mine"))
-    assert verdict.order == seeded_order(ids[:30], f"ds:{store.url(*base).rstrip('/')}")  # images both have
+    # the images the baseline has scores of, but the one whose caption failed for good: the order of all of them
+    # with it left out, so that the judgements committed before it was left out stay a prefix
+    verdict = judge_verdict(against, store, mine, checked.judge, checked.engine, set(ids), {ids[3]})
+    seed = f"ds:{store.url(*base).rstrip('/')}"
+    assert verdict.order == [i for i in seeded_order(ids[:30], seed) if i != ids[3]]
+    assert judge_verdict(against, store, mine, checked.judge, checked.engine, set(ids), set()).order == seeded_order(
+        ids[:30], seed
+    )
     for i in verdict.order:  # this run's judge gives 5 where the baseline got 3
         if verdict.observe({i: 5}):
             break
     record = verdict.record()
-    assert record["decision"] == "better" and record["images_used"] < 30 and record["mean_difference"] == 2.0
+    assert record["decision"] == "better" and record["images_used"] < 29 and record["mean_difference"] == 2.0
     assert record["metric"] == "judge_mean" and record["judge_model"] == "builtin"
     assert record["baseline_scores"].endswith(judge_run_parts(base, checked.judge, checked.engine)[-1])
     assert "judge score difference +2.000" in verdict_line(record)
@@ -56,6 +62,6 @@ def test_a_judge_verdict_compares_each_image_with_the_baseline_judged_by_the_sam
     # a baseline never judged by this judge: one line, before the judge's engines start
     unjudged = cfg.model_copy(update={"verdict_against": store.url(*other)})
     with pytest.raises(BaselineError, match="has no scores by the judge builtin"):
-        judge_verdict(unjudged, store, mine, checked.judge, checked.engine, dict.fromkeys(ids, "mine"))
+        judge_verdict(unjudged, store, mine, checked.judge, checked.engine, set(ids), set())
     with pytest.raises(OptionError, match="verdict_score judge needs judge"):
         check_inputs(cfg.model_copy(update={"judge": False}))

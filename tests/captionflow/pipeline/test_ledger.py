@@ -116,3 +116,44 @@ def test_a_failing_engine_keeps_what_arrived_and_names_the_root_cause(tmp_path):
     with pytest.raises(EngineFailed, match=r"^inference: SafetensorError: Error while deserializing header: invalid"):
         ledger.drain(Broken([_row("a", 0), _row("b", 0)]), done)
     assert done == {"a", "b"} and ledger.committed() == {"a", "b"}  # committed before the failure surfaced
+
+
+def test_a_side_ledger_commits_each_rows_results_after_it_and_the_stop_sees_only_them(tmp_path):
+    from captionflow.workers.llm_rows import PAIRWISE_SCHEMA
+
+    store = Store(str(tmp_path))
+    captions = Ledger(store, ("run",), CAPTIONS, CAPTION_SCHEMA, commit_rows=2)
+    judged = Ledger(store, ("run", "pairwise", "fp"), "scores", PAIRWISE_SCHEMA, commit_rows=2)
+
+    def pair(image_id, order, error=""):
+        return {"image_id": f"{image_id}#{order}", "winner": None if error else "A", "reason": "", "raw": "",
+                "candidate_score": None if error else 1.0, "error": error, "attempt": 0}  # fmt: skip
+
+    rows = [
+        {**_row("a", 0), "judged": pair("a", "ab")},
+        {**_row("b", 0), "judged": pair("b", "ab", "judge said no")},
+        {**_row("bad", 0, "engine said no"), "judged": None},  # the caption failed: never judged
+        {**_row("bad", 0, "engine said no"), "judged": None},  # its second order's row
+        {**_row("a", 0), "judged": pair("a", "ba")},  # the same caption, its other order's judgement
+        {**_row("c", 0), "judged": pair("c", "ab")},
+        {**_row("d", 0), "judged": pair("d", "ab")},
+    ]
+    seen = []
+
+    def stop(results):
+        seen.extend(results)
+        return any(r["image_id"] == "c#ab" for r in results)
+
+    done: set[str] = set()
+    n_ok, n_failed, _ = captions.drain(Rows(rows), done, stop=stop, side=judged)
+    # the pass ends at c's judgement: its caption and everything before it committed, d's never pulled
+    assert captions.stopped and (n_ok, n_failed) == (3, 1) and done == {"a", "b", "c"}
+    committed = store.read_tables(store.ls("run", CAPTIONS, suffix=".parquet")).to_pylist()
+    assert sorted(r["image_id"] for r in committed) == ["a", "b", "c"]  # a once, though two rows carried it
+    assert "judged" not in committed[0]
+    assert judged.committed() == {"a#ab", "a#ba", "c#ab"}
+    failed = store.read_tables(store.ls("run", "pairwise", "fp", FAILURES, suffix=".parquet")).to_pylist()
+    assert [(r["image_id"], r["error"]) for r in failed] == [("b#ab", "judge said no")]
+    bad = store.read_tables(store.ls("run", FAILURES, suffix=".parquet")).to_pylist()
+    assert [r["image_id"] for r in bad] == ["bad"]  # once
+    assert [r["image_id"] for r in seen] == ["a#ab", "a#ba", "c#ab"]  # the judgements without an error, only

@@ -67,8 +67,11 @@ def test_a_pairwise_verdict_takes_each_image_once_both_orders_are_judged_in_the_
     images = {f"i{k:02d}" for k in range(40)}
     cfg = RunConfig(verdict="sequential", verdict_score="pairwise", pairwise_against="previous")
     base = {"model": "ckpt-1", "run_dir": "/out/runs/ds/fp-ckpt-1/g"}
-    verdict = pairwise_verdict(cfg, ("runs", "ds", "fp-me", "g"), base, images)
+    verdict = pairwise_verdict(cfg, ("runs", "ds", "fp-me", "g"), base, images, set())
     assert verdict.order == seeded_order(sorted(images), "ds:/out/runs/ds/fp-ckpt-1/g")
+    # an image whose caption failed for good is left out of the same order
+    less = pairwise_verdict(cfg, ("runs", "ds", "fp-me", "g"), base, images, {verdict.order[1]})
+    assert less.order == verdict.order[:1] + verdict.order[2:] and less.cs.n_total == len(images) - 1
     judged = JudgedShares()
     first, second = verdict.order[:2]
     assert judged.add([{"image_id": f"{second}#ab", "candidate_score": 1.0}]) == {}  # one order: not yet an image

@@ -34,6 +34,9 @@ def test_a_local_ray_on_g_gpus_has_room_for_every_gpus_engines_and_their_reads(m
     assert tp >= 2 * GPU.engine_cpus + 2 * 5 * GPU.map_cpus  # two engines of two GPUs each
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert local_num_cpus(RunConfig(device="cpu"), CPU, 0) == local_ray_cpus(CPU, 1)  # CPU: as before
+    # a verdict on the judge's score or the pairwise win on CPU: the judge's engine beside the captioner's, and room
+    judged = RunConfig(device="cpu", verdict="sequential", verdict_score="pairwise", pairwise_against="previous")
+    assert local_num_cpus(judged, CPU, 0) == local_ray_cpus(CPU, 2) >= 2 * CPU.engine_cpus + 2 * 5 * CPU.map_cpus
 
 
 def test_engine_settings_take_the_preset_then_the_runs_overrides(builtin_model_dir):

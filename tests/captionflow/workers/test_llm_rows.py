@@ -150,3 +150,49 @@ def test_every_answer_the_pairwise_regex_allows_is_json_that_parses():
             assert re.fullmatch(PAIRWISE_REGEX, text)
             assert parse_pairwise(text) == (winner, reason)
     assert not re.fullmatch(PAIRWISE_REGEX, '{"winner": "A", "reason": "a \\"quote\\""}')
+
+
+def test_a_judge_after_the_captioner_takes_its_caption_and_image_and_passes_its_failures_on():
+    """One pass of captioner then judge (pipeline/judge.JudgeAlongside): the rows as Ray Data LLM hands them on."""
+    import functools
+
+    from captionflow.workers.llm_rows import (
+        JUDGE_IMAGE,
+        judged_fixed_schema,
+        judged_out,
+        judged_request,
+        to_judged_caption,
+    )
+
+    prompt = PROMPT
+    image = np.zeros((28, 28, 3), np.uint8)
+    # the captioner's request keeps the array for the judge (the engine stage takes multimodal_data out of the row)
+    cap = caption_request({"image_id": "x", "image": _jpeg(), "references": ["a ref"]}, image_prompt=prompt,
+                          system_prompt="s", prompt="p", sampling={}, fail_ids=frozenset(), judged=True)  # fmt: skip
+    assert cap[JUDGE_IMAGE] is cap["multimodal_data"]["image"]
+    engine_out = {"image_id": "x", "references": ["a ref"], JUDGE_IMAGE: image, "generated_text": "a cat",
+                  "num_generated_tokens": 2, "num_input_tokens": 9}  # fmt: skip
+    row = to_judged_caption(engine_out, max_tokens=6, model_fp="m", attempt=0)
+    assert row["caption"] == "a cat" and row["references"] == ["a ref"] and row[JUDGE_IMAGE] is image
+    orders = both_orders(row)
+    assert [r["image_id"] for r in orders] == ["x#ab", "x#ba"]
+    request = functools.partial(pairwise_request, candidate=None, baseline={"x": "a dog"}, image_prompt=prompt,
+                                sampling={})  # fmt: skip
+    ba = judged_request(dict(orders[1]), request=request)
+    assert "Caption A: 'a dog'\nCaption B: 'a cat'" in ba["prompt"] and ba["multimodal_data"]["image"] is image
+    answered = {**orders[1], **ba, "generated_text": '{"winner": "B", "reason": "ok"}'}
+    out = judged_out(answered, out=pairwise_out, attempt=0, pairs=True)
+    assert out["image_id"] == "x" and out["caption"] == "a cat" and out["judged"]["image_id"] == "x#ba"
+    assert out["judged"]["candidate_score"] == 1.0
+    fixed = functools.partial(judged_fixed_schema, fixed=pairwise_fixed_schema, model_fp="m", attempt=0, pairs=True)
+    assert fixed(out) is out
+    # the judge failed: the caption stays, the judgement is an error row of the judge's schema
+    judge_failed = fixed({**orders[0], "__inference_error__": "judge said no"})
+    assert judge_failed["image_id"] == "x" and judge_failed["caption"] == "a cat" and not judge_failed["error"]
+    assert judge_failed["judged"]["image_id"] == "x#ab" and judge_failed["judged"]["error"] == "judge said no"
+    # the caption failed: no caption column; the judge's request passes it on unjudged, it is the captioner's error
+    caption_failed = {"image_id": "y#ab", "prompt": "p", "__inference_error__": "engine said no"}
+    assert judged_request(dict(caption_failed), request=request) == {}
+    failed = fixed(caption_failed)
+    assert failed["image_id"] == "y" and failed["error"] == "engine said no" and failed["judged"] is None
+    assert failed["finish_reason"] == "error" and set(failed) == {*CAPTION_SCHEMA.names, "judged"}
