@@ -209,10 +209,10 @@ class RunConfig(BaseModel):
         description="The per-image score the sequential verdict compares: 'cider' (CIDEr-D, the IDF from all the "
         "references; needs references), 'clip' (CLIPScore against the image by clip_model; no references "
         "needed), 'judge' (the judge's 1-5 score, against a baseline judged by the same judge), 'pairwise' (the "
-        "pairwise judge's win against pairwise_against); with 'judge' and 'pairwise' on CPU the judge judges each "
-        "caption as it is made and the captioning stops once sure, elsewhere the set is captioned in full and the "
-        "judging stops once sure. 'auto': CIDEr-D where the dataset has references, else CLIPScore where "
-        "clip_model is set.",
+        "pairwise judge's win against pairwise_against); with 'judge' and 'pairwise' the judge judges each "
+        "caption as it is made and the captioning stops once sure (with warm engines the set is captioned in full "
+        "and the judging stops once sure). 'auto': CIDEr-D where the dataset has references, else CLIPScore "
+        "where clip_model is set.",
     )
     verdict_alpha: float = Field(
         0.05,

@@ -133,6 +133,41 @@ def _sequential(a, res: dict, got: dict, images: str, ckpt: str, kwargs: str, en
         if earlier.get("run_dir"):
             shutil.rmtree(earlier["run_dir"], ignore_errors=True)
             Path(earlier["leaderboard_row"]).unlink(missing_ok=True)
+    baseline = _teacher(a, images, env, root)
+    if isinstance(baseline, dict):
+        return baseline
+    seq = ["--verdict", "sequential", "--verdict-against", baseline]
+    return _flow_timed(a, "warm-sequential", images, ckpt, kwargs, env, root, seq)
+
+
+def _cold_pairwise(a, images: str, ckpt: str, kwargs: str, env: dict, root: str = "out-verdict-p") -> dict:
+    """The sequential verdict on the pairwise judge's win, engines started for the run (no warm engines): checkpoint
+    ``ckpt`` judged by itself against the teacher's captions, the judge's engines beside the captioner's
+    (``judge.JudgeAlongside``: half of each GPU's engines each), the captioning stopped with the verdict. The
+    stand-in's random judge answers mostly by position: the pairs tie and the verdict is "equivalent" within the
+    margin 0.45. Then the same checkpoint's full set (``--verdict full``, the captioning of every image and the
+    pairwise judging of all of them, in turn), on a fresh output root: what the verdict spared."""
+    out = {}
+    for mode, folder in (("sequential", root), ("full", root + "-full")):
+        shutil.rmtree(Path(a.work) / folder, ignore_errors=True)
+        baseline = _teacher(a, images, env, folder)
+        if isinstance(baseline, dict):
+            out[mode] = baseline
+            continue
+        extra = ["--verdict", mode, "--pairwise-against", baseline, "--warm-engines", "off"]
+        if mode == "sequential":
+            extra += ["--verdict-score", "pairwise", "--verdict-margin", "0.45"]
+        out[mode] = _flow_timed(a, f"cold-pairwise-{mode}", images, ckpt, kwargs, env, folder, extra)
+        summary = Path(a.work) / f"verdict-cold-pairwise-{mode}-summary.json"
+        if "error" not in out[mode]:
+            pair = json.loads(summary.read_text()).get("metrics", {}).get("pairwise") or {}
+            out[mode]["pairwise"] = {k: pair.get(k) for k in ("judged", "failed", "wins", "losses", "ties", "seconds")}
+    return out
+
+
+def _teacher(a, images: str, env: dict, root: str):
+    """The baseline of the sequential verdicts: the golden set's first references as external captions
+    (``captionflow evaluate``) under the output root ``root``; its run folder, or the error (a dict)."""
     rows = [json.loads(x) for x in Path(images, "captions.jsonl").read_text().splitlines()]
     teacher = Path(a.work) / "teacher.jsonl"
     teacher.write_text(
@@ -147,9 +182,7 @@ def _sequential(a, res: dict, got: dict, images: str, ckpt: str, kwargs: str, en
         proc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=a.phase_timeout)
     if proc.returncode != 0:
         return {"error": f"teacher: exit {proc.returncode}", "log_tail": log.read_text(errors="replace")[-4000:]}
-    baseline = json.loads(summary.read_text())["run_dir"]
-    seq = ["--verdict", "sequential", "--verdict-against", baseline]
-    return _flow_timed(a, "warm-sequential", images, ckpt, kwargs, env, root, seq)
+    return json.loads(summary.read_text())["run_dir"]
 
 
 def per_second(stamps: list[tuple[float, int]], t0: float) -> list[int]:
@@ -344,6 +377,8 @@ def _verdict(a: argparse.Namespace, sampler: GpuSampler, prefect_env: dict) -> d
         (Path(a.work) / "verdict-partial.json").write_text(json.dumps(res, indent=2))
     if "warm_cache" in todo:
         res["warm_cache"] = _flow_timed(a, "warm-cache", images, ckpt_b, kwargs, env)
+    if "cold_pairwise" in todo:
+        res["cold_pairwise"] = _cold_pairwise(a, images, ckpt_b, kwargs, env)
     if "warm_engines" in todo:
         _warm_engines(a, res, images, ckpt_a, ckpt_c, kwargs, env, cc)
     raw = {}
@@ -363,6 +398,10 @@ def _verdict(a: argparse.Namespace, sampler: GpuSampler, prefect_env: dict) -> d
         "warm_engines_repeats_s": [r.get("leaderboard_row_after_s") for r in res.get("warm_engines_repeats", [])],
         "warm_sequential_s": res.get("warm_sequential", {}).get("leaderboard_row_after_s"),
         "warm_sequential_images_used": (res.get("warm_sequential", {}).get("sequential") or {}).get("images_used"),
+        "cold_pairwise_s": {
+            k: v.get("leaderboard_row_after_s") for k, v in (res.get("cold_pairwise") or {}).items() if "error" not in v
+        },
+        "cold_pairwise_captioned": {k: v.get("captioned") for k, v in (res.get("cold_pairwise") or {}).items()},
         "raw_wall_s": raw.get("wall_s"),
         "exit_s": {k: res[k].get("verdict_s") for k in ("cold", "warm_cache", "warm_engines") if k in res},
     }

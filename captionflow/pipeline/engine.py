@@ -64,6 +64,11 @@ class EngineSettings:
         share = math.ceil(max(rows, 1) / (max(1, engines or self.concurrency) * self.batch_size))
         return replace(self, max_concurrent_batches=max(1, min(self.max_concurrent_batches, share)))
 
+    def halved(self) -> EngineSettings:
+        """These settings for half of each GPU's engines, each with the same share of the GPU and of its memory:
+        the other half hold another model's engines (a judge beside the captioner: ``judge.JudgeAlongside``)."""
+        return replace(self, concurrency=max(1, self.concurrency // 2))
+
     def single_engine(self) -> EngineSettings:
         """These settings for one engine per GPU with its own front end."""
         if self.solo_engine_kwargs is None:

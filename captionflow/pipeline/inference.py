@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -165,6 +166,9 @@ def run_inference(
                     judging = None
                 side = judge_path = None
                 if judging is not None:  # its folder is ours for the pass, its checkpoint staged like the captioner's
+                    if engine.preset.engine_gpus:  # half of each GPU's engines the captioner's, half the judge's
+                        engine = engine.halved()
+                        judging = dataclasses.replace(judging, engine=judging.engine.halved())
                     side = judge_side.enter_context(_judge_ledger(cfg, store, judging))
                     judge_path = judge_side.enter_context(staged(judging.judge.path, judging.engine.compile_dir, local))
                 with staged(model.path, engine.compile_dir, local=local and warm is None) as path:

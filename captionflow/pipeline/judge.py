@@ -267,8 +267,8 @@ class JudgeAlongside:
     goes on to the judge's engines as it comes out of the captioner's, the judgement commits beside the caption
     (its folder ``parts``, the judge stage's), and once the verdict (``values``: committed judgement rows -> its
     values) is in, the captioning stops too, not only the judging. The judge or pairwise stage after it finds the
-    judgements committed and the same verdict in. Cold engines on CPU (``alongside``); elsewhere the run captions the
-    full set and the stage's judging stops once sure."""
+    judgements committed and the same verdict in. Engines started for the run (``alongside``); with warm engines
+    the run captions the full set and the stage's judging stops once sure."""
 
     judge: ResolvedModel
     engine: EngineSettings
@@ -305,11 +305,14 @@ def alongside(
     cfg: RunConfig, engine: EngineSettings, judge: Optional[ResolvedModel], judge_engine: Optional[EngineSettings]
 ) -> Optional[str]:
     """Why a judge verdict's judge cannot run alongside the captioning (``JudgeAlongside``), or None where it can:
-    on CPU, the judge's image grid the captioner's (the judge takes the captioner's image arrays)."""
+    the judge's image grid the captioner's (the judge takes the captioner's image arrays), and on GPUs room for
+    both: each layout at least two engines on each GPU, so that half of each GPU's can be the captioner's and half
+    the judge's (``EngineSettings.halved``)."""
     if judge is None or judge_engine is None:
         return "no judge"
-    if engine.preset.engine_gpus or judge_engine.preset.engine_gpus:
-        return "on GPUs the captioner's engines fill them"
+    gpus = engine.preset.engine_gpus or judge_engine.preset.engine_gpus
+    if gpus and min(engine.engines_per_gpu, judge_engine.engines_per_gpu) < 2:
+        return "a GPU holds only one engine of the captioner or of the judge, so they cannot share the GPUs"
     if judge_engine.image_grid != engine.image_grid:
         return "the judge's image grid is not the captioner's"
     return None

@@ -65,3 +65,27 @@ def test_a_judge_verdict_compares_each_image_with_the_baseline_judged_by_the_sam
         judge_verdict(unjudged, store, mine, checked.judge, checked.engine, set(ids), set())
     with pytest.raises(OptionError, match="verdict_score judge needs judge"):
         check_inputs(cfg.model_copy(update={"judge": False}))
+
+
+def test_a_judge_runs_beside_the_captioner_where_both_fit_and_says_why_not_elsewhere(tmp_path):
+    from dataclasses import replace
+
+    from captionflow.pipeline.judge import alongside
+    from captionflow.pipeline.presets import GPU
+
+    (tmp_path / "ds").mkdir()
+    Image.new("RGB", (40, 30), "red").save(tmp_path / "ds" / "red.png")
+    cfg = RunConfig(dataset=str(tmp_path / "ds"), output=str(tmp_path / "out"), device="cpu", judge=True)
+    checked = preflight(cfg)
+    cpu = checked.engine
+    assert alongside(cfg, cpu, checked.judge, checked.judge_engine) is None  # CPU: one engine each, side by side
+    assert alongside(cfg, cpu, None, None) == "no judge"
+    other_grid = replace(checked.judge_engine, image_grid=(16, 2, 3136, 200704))
+    assert "image grid" in alongside(cfg, cpu, checked.judge, other_grid)
+    # GPUs: half of each GPU's engines the captioner's, half the judge's, each keeping its share of the GPU
+    four = replace(cpu, preset=GPU, engines_per_gpu=4, gpu_share=0.25, concurrency=8)  # 2 GPUs, 4 engines on each
+    assert alongside(cfg, four, checked.judge, four) is None
+    half = four.halved()
+    assert (half.concurrency, half.gpu_share, half.engine_kwargs) == (4, 0.25, four.engine_kwargs)
+    alone = replace(four, engines_per_gpu=1, gpu_share=1.0, concurrency=2)  # a judge alone on each GPU
+    assert "only one engine" in alongside(cfg, four, checked.judge, alone)
