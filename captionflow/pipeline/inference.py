@@ -177,7 +177,9 @@ def run_inference(
                         cfg, model, path, engine, store, shards, fitted, warm, ordered=verdict is not None,
                         judging=judging, judge_path=judge_path,
                     )  # fmt: skip
-                    decider = verdict or (judging.verdict if judging else None)
+                    decider, stop = (judging.verdict, judging.stop) if judging else (verdict, None)
+                    if verdict is not None:
+                        stop = lambda rows: verdict.observe({r["image_id"]: r["caption"] for r in rows})
                     passes = run_passes(
                         ledger,
                         all_ids,
@@ -186,11 +188,7 @@ def run_inference(
                         rows_for,
                         progress,
                         order=decider.order if decider else None,
-                        stop=judging.stop
-                        if judging
-                        else (lambda rows: verdict.observe({r["image_id"]: r["caption"] for r in rows}))
-                        if verdict
-                        else None,
+                        stop=stop,
                         side=side,
                     )
                 if warm is not None:
@@ -287,9 +285,8 @@ def sequential_verdict(
     run, each scored (both sides, as the prefix reaches it) by ``verdict_score``: CIDEr-D with the IDF of all the
     references (``evaluation/cider.py``) or CLIPScore by ``clip`` (``clip_score.PrefixClipScore``; on the driver's
     GPU for a ``gpu`` run). None (the full
-    set, said in the log) while no baseline exists yet, and for a judge or pairwise verdict (their stage decides, on
-    the full set's captions: ``judge.judge_verdict``, ``pairwise.pairwise_verdict``); DatasetError for a dataset the
-    score cannot score."""
+    set, said in the log) while no baseline exists yet, and for a judge or pairwise verdict (their judge decides:
+    ``judging_alongside``, or the judge or pairwise stage); DatasetError for a dataset the score cannot score."""
     if cfg.verdict_score in ("judge", "pairwise"):  # their judge decides (judging_alongside)
         return None
     baseline = resolve_baseline(store, run, cfg.verdict_against, what="verdict_against")

@@ -155,7 +155,9 @@ class Ledger:
                         judged = [carried] if carried is not None else []
                         for r in judged:
                             (side_failed if r["error"] else side_rows).append(r)
-                        if side is None or row["image_id"] not in seen:
+                        if side is None:
+                            (failed_rows if row["error"] else ok_rows).append(row)
+                        elif row["image_id"] not in seen:
                             seen.add(row["image_id"])
                             (failed_rows if row["error"] else ok_rows).append(row)
                         given = [r for r in judged if not r["error"]] if side is not None else [row]

@@ -38,6 +38,7 @@ def local_service_address() -> Optional[str]:
             from ray._raylet import Config  # when it turns token authentication on (authentication_token_setup)
 
             Config.initialize("")
-    # a run on a local service's Ray ends soon after that Ray does (see _Lifeline), not after Ray's default 60 s
-    os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", "15")
+    # a run on a local service's Ray ends soon after that Ray does (see _Lifeline), not after Ray's default 60 s;
+    # 30 s leaves the lifeline room to end the run first on a loaded machine (15 s did not, once, on 2 cores)
+    os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", "30")
     return info.get("address")

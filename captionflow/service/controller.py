@@ -381,7 +381,7 @@ def stop_service() -> Optional[dict[str, Any]]:
 
 class _Lifeline:
     """Watches a local service's process while a run uses it. Its Ray goes with it, and Ray ends a driver
-    whose cluster is gone (after ``RAY_gcs_rpc_server_reconnect_timeout_s``, 15 s for runs on a local
+    whose cluster is gone (after ``RAY_gcs_rpc_server_reconnect_timeout_s``, 30 s for runs on a local
     service): this says why first, in the run's log, so the run fails with the reason, never hangs."""
 
     def __init__(self) -> None:
