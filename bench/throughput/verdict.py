@@ -143,7 +143,7 @@ def _sequential(a, res: dict, got: dict, images: str, ckpt: str, kwargs: str, en
 def _cold_pairwise(a, images: str, ckpt: str, kwargs: str, env: dict, root: str = "out-verdict-p") -> dict:
     """The sequential verdict on the pairwise judge's win, engines started for the run (no warm engines): checkpoint
     ``ckpt`` judged by itself against the teacher's captions, the judge's engines beside the captioner's
-    (``judge.JudgeAlongside``: half of each GPU's engines each), the captioning stopped with the verdict. The
+    (``judge.SequentialJudging``: half of each GPU's engines each), the captioning stopped with the verdict. The
     stand-in's random judge answers mostly by position: the pairs tie and the verdict is "equivalent" within the
     margin 0.45. Then the same checkpoint's full set (``--verdict full``, the captioning of every image and the
     pairwise judging of all of them, in turn), on a fresh output root: what the verdict spared."""

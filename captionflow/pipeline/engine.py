@@ -66,7 +66,7 @@ class EngineSettings:
 
     def halved(self) -> EngineSettings:
         """These settings for half of each GPU's engines, each with the same share of the GPU and of its memory:
-        the other half hold another model's engines (a judge beside the captioner: ``judge.JudgeAlongside``)."""
+        the other half hold another model's engines (a judge beside the captioner: ``judge.SequentialJudging``)."""
         return replace(self, concurrency=max(1, self.concurrency // 2))
 
     def single_engine(self) -> EngineSettings:

@@ -39,9 +39,9 @@ from captionflow.model_source import ClipModel, ResolvedModel
 from captionflow.pipeline.baseline import baseline_order, baseline_verdict, resolve_baseline
 from captionflow.pipeline.clip_score import PrefixClipScore
 from captionflow.pipeline.engine import EngineSettings
-from captionflow.pipeline.judge import JudgeAlongside, alongside, judge_alongside
+from captionflow.pipeline.judge import SequentialJudging, alongside, judge_score_judging
 from captionflow.pipeline.ledger import Ledger, Progress, run_passes
-from captionflow.pipeline.pairwise import pairwise_alongside
+from captionflow.pipeline.pairwise import pairwise_judging
 from captionflow.pipeline.processor import build_vlm_processor, fitted_folder, map_task_kwargs, read_pending
 from captionflow.pipeline.request_format import image_prompt
 from captionflow.pipeline.session import ray_session
@@ -242,9 +242,9 @@ def judging_alongside(
     ids: set[str],
     judge: Optional[ResolvedModel],
     judge_engine: Optional[EngineSettings],
-) -> Optional[JudgeAlongside]:
+) -> Optional[SequentialJudging]:
     """For a sequential verdict on the judge's score or the pairwise win, its judge judging the captions of
-    ``ids`` as they are made, so that the captioning stops once the verdict is in (``judge.JudgeAlongside``); None
+    ``ids`` as they are made, so that the captioning stops once the verdict is in (``judge.SequentialJudging``); None
     (said in the log) where it cannot (``judge.alongside``: the run captions the full set, and the judge or pairwise
     stage's judging stops once sure) or there is no baseline yet. BaselineError for a baseline without what the
     verdict needs, before any engine starts."""
@@ -256,12 +256,12 @@ def judging_alongside(
         log.info("verdict sequential on the %s: %s, so the full set is captioned and the judging stops once sure",
                  what, why)  # fmt: skip
         return None
-    make = pairwise_alongside if cfg.verdict_score == "pairwise" else judge_alongside
+    make = pairwise_judging if cfg.verdict_score == "pairwise" else judge_score_judging
     return make(cfg, store, run, ids, caption_failures(store, run), judge, judge_engine)
 
 
 @contextlib.contextmanager
-def _judge_ledger(cfg: RunConfig, store: Store, judging: JudgeAlongside):
+def _judge_ledger(cfg: RunConfig, store: Store, judging: SequentialJudging):
     """The ledger of the judgements made alongside the captioning, holding their folder's lease."""
     what = f"the {judging.what} folder {store.url(*judging.parts)}"
     with Lease(store, "/".join(judging.parts), what=what, wait_s=cfg.lease_wait_s) as lease:
@@ -340,7 +340,7 @@ def _caption_rows(
     fitted: Optional[str],
     warm=None,
     ordered: bool = False,
-    judging: Optional[JudgeAlongside] = None,
+    judging: Optional[SequentialJudging] = None,
     judge_path: Optional[str] = None,
 ):
     """``rows_for(attempt, pending)``: the Ray dataset of caption rows for one pass; the engines load

@@ -127,10 +127,11 @@ def run_judge(
     base = judge_run_parts(run, judge, engine)
     captions = read_captions(store, run)
     passes = []
-    verdict = None
+    judging = None
     if cfg.verdict == "sequential" and cfg.verdict_score == "judge":
         images = store.ids(shard_paths(store, manifest))
-        verdict = judge_verdict(cfg, store, run, judge, engine, images, caption_failures(store, run))
+        judging = judge_score_judging(cfg, store, run, images, caption_failures(store, run), judge, engine)
+    verdict = judging.verdict if judging else None
     with Lease(store, "/".join(base), what=f"the judge folder {store.url(*base)}", wait_s=cfg.lease_wait_s) as lease:
         ledger = Ledger(
             store,
@@ -143,13 +144,11 @@ def run_judge(
             what="judge",
         )
         done = ledger.committed()
-        if verdict is not None:  # a rerun or resume continues the same order's prefix from the scores committed
-            verdict.observe(read_scores(store.url(*base), "score"))
-        if set(captions) - done and not (verdict and verdict.decided):
+        # a rerun or resume (or the captioning's pass, judging alongside) continues the same order's prefix
+        if not (judging and judging.observe_committed(store)) and set(captions) - done:
             passes = judge_passes(
                 cfg, manifest, judge, engine, ledger, set(captions), done, judge_task(captions),
-                order=verdict.order if verdict else None,
-                stop=(lambda rows: verdict.observe({r["image_id"]: r["score"] for r in rows})) if verdict else None,
+                order=verdict.order if verdict else None, stop=judging.stop if judging else None,
             )  # fmt: skip
     scores = store.read_unique(store.ls(*base, SCORES, suffix=".parquet"))
     rows = scores.to_pylist() if scores is not None else []
@@ -209,7 +208,7 @@ def judge_processor(
 ):
     """The Ray Data LLM processor of one judge pass over ``rows`` requests (the judge loaded from ``judge_path``:
     the checkpoint, or its staged slot); ``after_captions`` (the captioning checkpoint's fingerprint): the rows
-    are a captioner's results in the same pass (``JudgeAlongside``)."""
+    are a captioner's results in the same pass (``SequentialJudging``)."""
     sampling = {
         "max_tokens": task.max_tokens,
         "temperature": 0.0,
@@ -261,22 +260,24 @@ def judge_passes(
 
 
 @dataclass
-class JudgeAlongside:
-    """A judge that judges a run's captions as they are made, in the captioning's own Ray Data job, for a
-    sequential verdict on the judge's score or the pairwise win (``verdict_score judge | pairwise``): each caption
-    goes on to the judge's engines as it comes out of the captioner's, the judgement commits beside the caption
-    (its folder ``parts``, the judge stage's), and once the verdict (``values``: committed judgement rows -> its
-    values) is in, the captioning stops too, not only the judging. The judge or pairwise stage after it finds the
-    judgements committed and the same verdict in. Engines started for the run (``alongside``); with warm engines
-    the run captions the full set and the stage's judging stops once sure."""
+class SequentialJudging:
+    """The judging of a sequential verdict on the judge's score or the pairwise win (``verdict_score judge |
+    pairwise``): the ``verdict``, the folder its judgements commit to (``parts``, the judge or pairwise stage's)
+    and how committed judgement rows become its values (``values``). The judge or pairwise stage feeds it its
+    passes' rows (``stop``); where it can (``alongside``: engines started for the run), the judge judges each
+    caption as it comes out of the captioner's engines, in the captioning's own Ray Data job (``after``), the
+    judgement commits beside the caption, and once the verdict is in the captioning stops too, not only the
+    judging; the stage after it then finds the judgements committed and the same verdict in (``observe_committed``,
+    as a rerun or a resume does). With warm engines the run captions the full set and the stage's judging stops
+    once sure."""
 
     judge: ResolvedModel
     engine: EngineSettings
-    task: JudgeTask
     verdict: PrefixVerdict
     parts: tuple[str, ...]
     what: str
     values: Callable[[list[dict]], dict]
+    task: JudgeTask  # what the judge is asked alongside the captioning (of the row's caption)
 
     def observe_committed(self, store: Store) -> bool:
         """Feed the verdict the judgements already committed (a rerun, a resume); True once it is in."""
@@ -304,7 +305,7 @@ class JudgeAlongside:
 def alongside(
     cfg: RunConfig, engine: EngineSettings, judge: Optional[ResolvedModel], judge_engine: Optional[EngineSettings]
 ) -> Optional[str]:
-    """Why a judge verdict's judge cannot run alongside the captioning (``JudgeAlongside``), or None where it can:
+    """Why a judge verdict's judge cannot run alongside the captioning (``SequentialJudging``), or None where it can:
     the judge's image grid the captioner's (the judge takes the captioner's image arrays), and on GPUs room for
     both: each layout at least two engines on each GPU, so that half of each GPU's can be the captioner's and half
     the judge's (``EngineSettings.halved``)."""
@@ -318,7 +319,7 @@ def alongside(
     return None
 
 
-def judge_alongside(
+def judge_score_judging(
     cfg: RunConfig,
     store: Store,
     run: tuple[str, ...],
@@ -326,14 +327,15 @@ def judge_alongside(
     failed: set[str],
     judge: ResolvedModel,
     engine: EngineSettings,
-) -> Optional[JudgeAlongside]:
-    """The judge's 1-5 score verdict (``judge_verdict``) judged alongside the captioning of ``images``."""
+) -> Optional[SequentialJudging]:
+    """The judging of the judge's 1-5 score verdict (``judge_verdict``) over ``images``; None while there is no
+    baseline yet (said in the log)."""
     verdict = judge_verdict(cfg, store, run, judge, engine, images, failed)
     if verdict is None:
         return None
     task = judge_task(None)
     values = lambda rows: {r["image_id"]: r["score"] for r in rows if not r["error"]}
-    return JudgeAlongside(judge, engine, task, verdict, judge_run_parts(run, judge, engine), "judge", values)
+    return SequentialJudging(judge, engine, verdict, judge_run_parts(run, judge, engine), "judge", values, task)
 
 
 def judge_task(captions: Optional[dict]) -> JudgeTask:

@@ -112,7 +112,7 @@ class Ledger:
         result row arrives and after each commit; ``stop(rows)`` with each batch of rows without an error as it
         arrives: when it says True, what arrived is committed at once and the pass ends there (``self.stopped``),
         its Ray job shut down. ``side``: each row carries a result of a second stage of the same pass under
-        ``judged`` (a judge's, of the caption: ``judge.JudgeAlongside``; several rows may carry the same image's
+        ``judged`` (a judge's, of the caption: ``judge.SequentialJudging``; several rows may carry the same image's
         row, one result each), committed to ``side`` right after each of this ledger's commits, and ``stop`` is
         given those results instead."""
         t0 = time.perf_counter()

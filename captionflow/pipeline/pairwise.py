@@ -26,7 +26,7 @@ from captionflow.evaluation.significance import win_rate
 from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.baseline import baseline_order, baseline_verdict, resolve_baseline
 from captionflow.pipeline.engine import EngineSettings
-from captionflow.pipeline.judge import JudgeAlongside, JudgeTask, judge_passes, parse_rate
+from captionflow.pipeline.judge import JudgeTask, SequentialJudging, judge_passes, parse_rate
 from captionflow.pipeline.ledger import Ledger
 from captionflow.results import InferenceResult, Manifest, PairwiseResult
 from captionflow.workers.llm_rows import (
@@ -78,11 +78,11 @@ def run_pairwise(
     todo = {pair_id(i, o) for i in common for o in ORDERS}
     parts = pairwise_run_parts(run, judge, engine, base["run_dir"])
     passes = []
-    verdict = judged = None
+    judging = None
     if cfg.verdict == "sequential" and cfg.verdict_score == "pairwise" and common:
         images = store.ids(shard_paths(store, manifest))
-        verdict = pairwise_verdict(cfg, run, base, images & set(baseline), caption_failures(store, run))
-        judged = JudgedShares()
+        judging = pairwise_judging(cfg, store, run, images, caption_failures(store, run), judge, engine)
+    verdict = judging.verdict if judging else None
     what = f"the pairwise judge folder {store.url(*parts)}"
     with Lease(store, "/".join(parts), what=what, wait_s=cfg.lease_wait_s) as lease:
         ledger = Ledger(
@@ -90,15 +90,12 @@ def run_pairwise(
             stall_timeout_s=cfg.stall_timeout_s, what="pairwise judge",
         )  # fmt: skip
         done = ledger.committed()
-        if verdict is not None:  # a rerun or resume continues the same order's prefix from the judgements committed
-            committed = store.read_unique(store.ls(*parts, SCORES, suffix=".parquet"))
-            verdict.observe(judged.add([r for r in (committed.to_pylist() if committed is not None else [])
-                                        if r["image_id"] in todo]))  # fmt: skip
-        if todo - done and not (verdict and verdict.decided):
+        # a rerun or resume (or the captioning's pass, judging alongside) continues the same order's prefix
+        if not (judging and judging.observe_committed(store)) and todo - done:
             passes = judge_passes(
                 cfg, manifest, judge, engine, ledger, todo, done, pairwise_task(candidate, baseline),
                 order=[pair_id(i, o) for i in verdict.order for o in ORDERS] if verdict else None,
-                stop=(lambda rows: verdict.observe(judged.add(rows))) if verdict else None,
+                stop=judging.stop if judging else None,
             )  # fmt: skip
     t = store.read_unique(store.ls(*parts, SCORES, suffix=".parquet"))
     rows = [r for r in (t.to_pylist() if t is not None else []) if r["image_id"] in todo]
@@ -149,7 +146,7 @@ def pairwise_task(candidate: Optional[dict], baseline: dict) -> JudgeTask:
     )
 
 
-def pairwise_alongside(
+def pairwise_judging(
     cfg: RunConfig,
     store: Store,
     run: tuple[str, ...],
@@ -157,9 +154,9 @@ def pairwise_alongside(
     failed: set[str],
     judge: ResolvedModel,
     engine: EngineSettings,
-) -> Optional[JudgeAlongside]:
-    """The pairwise win verdict (``pairwise_verdict``) judged alongside the captioning of ``images``; None while
-    there is no baseline yet (the pairwise stage says so)."""
+) -> Optional[SequentialJudging]:
+    """The judging of the pairwise win verdict (``pairwise_verdict``) over ``images``; None while there is no
+    baseline yet (the pairwise stage says so)."""
     base = resolve_baseline(store, run, cfg.pairwise_against)
     if base is None:
         return None
@@ -168,7 +165,8 @@ def pairwise_alongside(
     shares = JudgedShares()
     values = lambda rows: shares.add([r for r in rows if not r["error"]])
     parts = pairwise_run_parts(run, judge, engine, base["run_dir"])
-    return JudgeAlongside(judge, engine, pairwise_task(None, baseline), verdict, parts, "pairwise judge", values)
+    task = pairwise_task(None, baseline)
+    return SequentialJudging(judge, engine, verdict, parts, "pairwise judge", values, task)
 
 
 def pairwise_verdict(

@@ -143,7 +143,7 @@ def local_num_cpus(cfg: RunConfig, preset: Preset, gpus: int) -> int:
     every GPU (a tensor-parallel engine spans ``tensor_parallel_size`` of them) and the plain tasks that feed them.
     Sized for one GPU's engines, the engines of 2 GPUs (a 32-core host) or 4 (64 cores) held every CPU, Ray Data's
     reads never got one, and the run hung with every engine loaded. On CPU, a sequential verdict on the judge's
-    score or the pairwise win runs the judge's engines beside the captioner's (``judge.JudgeAlongside``)."""
+    score or the pairwise win runs the judge's engines beside the captioner's (``judge.SequentialJudging``)."""
     groups = max(1, gpus // cfg.tensor_parallel_size) if preset.engine_gpus else 1
     per_gpu = cfg.engines_per_gpu or preset.max_engines_per_gpu
     engines = cfg.concurrency or preset.concurrency * per_gpu * groups

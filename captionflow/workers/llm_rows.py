@@ -164,7 +164,7 @@ def caption_fixed_schema(row: dict, *, model_fp: str, attempt: int) -> dict:
 
 # ---------------------------------------------------------------- captioning and judging in one pass
 # A sequential verdict on the judge's score or the pairwise win, cold on CPU: each caption goes on to the judge's
-# engines as it is made (``pipeline/judge.py``, ``JudgeAlongside``); a result row is the caption row with its
+# engines as it is made (``pipeline/judge.py``, ``SequentialJudging``); a result row is the caption row with its
 # judgement under ``judged`` (None where the caption failed: it never reached the judge).
 JUDGE_IMAGE = "judge_image"
 

@@ -153,7 +153,7 @@ def test_every_answer_the_pairwise_regex_allows_is_json_that_parses():
 
 
 def test_a_judge_after_the_captioner_takes_its_caption_and_image_and_passes_its_failures_on():
-    """One pass of captioner then judge (pipeline/judge.JudgeAlongside): the rows as Ray Data LLM hands them on."""
+    """One pass of captioner then judge (pipeline/judge.SequentialJudging): the rows as Ray Data LLM hands them on."""
     import functools
 
     from captionflow.workers.llm_rows import (
