@@ -39,8 +39,14 @@ endif
 run: install
 	$(VENV)/bin/captionflow run
 
+# The tests on TEST_WORKERS processes at once (pytest-xdist; a module's tests stay on one worker, with its
+# fixtures): most of a test's time is one busy process (a vLLM engine on one core, a Prefect or Ray start-up), so on
+# CI's 2 cores one worker left a core idle about half the time.
+TEST_WORKERS ?= 2
+PYTEST := $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+
 test: install system-deps lint
-	$(VENV)/bin/python -m pytest -q --durations=40
+	$(PYTEST) --durations=40
 
 # Programs the tests run for real and pip cannot install: Prometheus (scrapes a real run) and Chromium
 # (renders the HTML report). Installed with apt where missing (as root, or through sudo).
@@ -55,7 +61,7 @@ system-deps:
 	fi
 
 test-fast: install system-deps lint
-	$(VENV)/bin/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check .

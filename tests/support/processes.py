@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import time
+
+# make test runs the tests on several pytest-xdist workers at once: a process of this worker's tests inherits its
+# PYTEST_XDIST_WORKER, another worker's engines are not this test's
+WORKER = "PYTEST_XDIST_WORKER"
 
 
 def engine_processes(since: float) -> list[str]:
-    """vLLM engine cores and workers started after ``since`` (a time.time()) that still run."""
+    """vLLM engine cores and workers of this test process's runs started after ``since`` (a time.time()) that
+    still run."""
     import psutil
 
     found = []
@@ -14,9 +20,18 @@ def engine_processes(since: float) -> list[str]:
         cmd = " ".join(p.info["cmdline"] or [])
         if p.info["status"] == psutil.STATUS_ZOMBIE or p.info["create_time"] < since:
             continue
-        if "VLLM::" in cmd or "spawn_main" in cmd:
+        if ("VLLM::" in cmd or "spawn_main" in cmd) and _ours(p):
             found.append(f"{p.info['pid']} {cmd[:80]}")
     return found
+
+
+def _ours(p) -> bool:
+    import psutil
+
+    try:
+        return p.environ().get(WORKER) == os.environ.get(WORKER)
+    except psutil.NoSuchProcess:
+        return False
 
 
 def wait_engines_gone(since: float, timeout_s: float) -> None:
