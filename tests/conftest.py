@@ -13,6 +13,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The slow tests (a vLLM engine, a whole flow: up to minutes each) first, in their order, then the rest:
+    `make test` spreads the tests' modules over two workers (pytest-xdist), and a minutes-long module that started
+    last kept one worker busy alone at the end (the warm engines' test: the last 5 minutes of a 28-minute run)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def s3_server():
     """A real S3-protocol server (moto) on loopback for the whole session.

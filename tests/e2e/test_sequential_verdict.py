@@ -11,9 +11,11 @@ import random
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from captionflow.builtin.synthetic import make_images
 
+pytestmark = pytest.mark.slow
 N = 64
 COLORS = ["red", "blue", "green", "yellow", "black", "white", "brown", "grey", "orange", "pink"]
 THINGS = ["dog", "cat", "horse", "bird", "car", "bus", "bicycle", "boat", "kite", "train"]

@@ -19,7 +19,7 @@ from captionflow.data.storage import Store
 from captionflow.errors import DatasetError, ModelError
 from captionflow.evaluation.evaluate import bootstrap_beside_verdict, clip_per_image
 from captionflow.model_source import resolve_clip
-from captionflow.pipeline.clip_score import OrderedImages, PrefixClipScore, run_clip
+from captionflow.pipeline.clip_score import OrderedImages, PrefixClipScore, run_clip, scorer_placement
 from captionflow.pipeline.inference import sequential_verdict
 from captionflow.pipeline.preprocess import preprocess
 from captionflow.preflight import OptionError, check_inputs, preflight
@@ -101,6 +101,26 @@ def test_every_caption_is_scored_through_ray_data_and_a_rerun_scores_none_again(
     assert (
         again.mean == res.mean and sorted(p.name for p in (tmp_path / "out").rglob("clip/*/scores/*.parquet")) == files
     )
+
+
+def test_the_stage_scores_on_a_gpu_of_the_run_after_its_engines_else_on_their_cpus(tmp_path):
+    from dataclasses import replace
+
+    from captionflow.pipeline.presets import GPU
+
+    (tmp_path / "ds").mkdir()
+    Image.new("RGB", (40, 30), "red").save(tmp_path / "ds" / "red.png")
+    cpu = preflight(RunConfig(dataset=str(tmp_path / "ds"), output=str(tmp_path / "out"), device="cpu")).engine
+    # CPU: the captioning engine's threads, a map task's share of Ray's CPUs
+    assert scorer_placement(cpu, warm=False) == ({"num_cpus": cpu.preset.map_cpus}, {"device": "cpu", "threads": 1})
+    # engines started for the run on 2 GPUs, 4 on each: they are gone by then, and CLIP takes one of their GPUs
+    gpus = replace(cpu, preset=GPU, engines_per_gpu=4, gpu_share=0.25, concurrency=8)
+    resources, where = scorer_placement(gpus, warm=False)
+    assert resources["num_gpus"] == 1 and where == {"device": "cuda", "threads": None}
+    # warm engines keep their GPUs (and Ray's GPU resources): a GPU asked for would never be granted, and the stage
+    # would wait forever; on the CPU with the threads their engine actors have (8 x 4)
+    resources, where = scorer_placement(gpus, warm=True)
+    assert "num_gpus" not in resources and where == {"device": "cpu", "threads": 32}
 
 
 def test_a_clipscore_verdict_scores_both_sides_as_the_clip_stage_does(tmp_path):
