@@ -14,10 +14,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def pytest_collection_modifyitems(config, items):
-    """The slow tests (a vLLM engine, a whole flow: up to minutes each) first, in their order, then the rest:
-    `make test` spreads the tests' modules over two workers (pytest-xdist), and a minutes-long module that started
-    last kept one worker busy alone at the end (the warm engines' test: the last 5 minutes of a 28-minute run)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The end-to-end tests first (whole flows: up to minutes each), then the other slow ones (a vLLM engine), then
+    the rest, each in its order: `make test` hands the modules to its two workers in this order
+    (--no-loadscope-reorder; pytest-xdist's own order, most tests first, started the one- and two-test e2e modules
+    last, and the warm engines' test ran alone at the end), so that the short tests fill the end."""
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, "e2e" not in item.path.parts))
 
 
 @pytest.fixture(scope="session", autouse=True)
