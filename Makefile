@@ -40,8 +40,9 @@ run: install
 	$(VENV)/bin/captionflow run
 
 # The tests on TEST_WORKERS processes at once (pytest-xdist; a module's tests stay on one worker, with its
-# fixtures; the modules in the order tests/conftest.py gives them): most of a test's time is one busy process (a vLLM engine on one core, a Prefect or Ray start-up), so on
-# CI's 2 cores one worker left a core idle about half the time.
+# fixtures; the modules in the order tests/conftest.py gives them): most of a test's time is one busy process (a
+# vLLM engine on one core, a Prefect or Ray start-up), so on CI's 2 cores one worker left a core idle about half
+# the time.
 TEST_WORKERS ?= 2
 PYTEST := $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 

@@ -81,7 +81,8 @@ def run_pairwise(
     judging = None
     if cfg.verdict == "sequential" and cfg.verdict_score == "pairwise" and common:
         images = store.ids(shard_paths(store, manifest))
-        judging = pairwise_judging(cfg, store, run, images, caption_failures(store, run), judge, engine)
+        failures = caption_failures(store, run)
+        judging = pairwise_judging(cfg, store, run, images, failures, judge, engine, resolved=(base, baseline))
     verdict = judging.verdict if judging else None
     what = f"the pairwise judge folder {store.url(*parts)}"
     with Lease(store, "/".join(parts), what=what, wait_s=cfg.lease_wait_s) as lease:
@@ -154,13 +155,16 @@ def pairwise_judging(
     failed: set[str],
     judge: ResolvedModel,
     engine: EngineSettings,
+    resolved: Optional[tuple[dict, dict]] = None,
 ) -> Optional[SequentialJudging]:
     """The judging of the pairwise win verdict (``pairwise_verdict``) over ``images``; None while there is no
-    baseline yet (the pairwise stage says so)."""
-    base = resolve_baseline(store, run, cfg.pairwise_against)
+    baseline yet (the pairwise stage says so). ``resolved``: the baseline run and its captions, where the caller
+    has read them already (the pairwise stage)."""
+    base, baseline = resolved or (resolve_baseline(store, run, cfg.pairwise_against), None)
     if base is None:
         return None
-    baseline = read_captions(Store(base["run_dir"]), ())
+    if baseline is None:
+        baseline = read_captions(Store(base["run_dir"]), ())
     verdict = pairwise_verdict(cfg, run, base, images & set(baseline), failed)
     shares = JudgedShares()
     values = lambda rows: shares.add([r for r in rows if not r["error"]])
