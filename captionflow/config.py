@@ -210,8 +210,9 @@ class RunConfig(BaseModel):
         "references; needs references), 'clip' (CLIPScore against the image by clip_model; no references "
         "needed), 'judge' (the judge's 1-5 score, against a baseline judged by the same judge), 'pairwise' (the "
         "pairwise judge's win against pairwise_against); with 'judge' and 'pairwise' the judge judges each "
-        "caption as it is made and the captioning stops once sure (with warm engines the set is captioned in full "
-        "and the judging stops once sure). 'auto': CIDEr-D where the dataset has references, else CLIPScore "
+        "caption as it is made and the captioning stops once sure (with warm engines, the service's judge engines "
+        "where it keeps this judge - captionflow serve with the run's judge options - else the set is captioned in "
+        "full and the judging stops once sure). 'auto': CIDEr-D where the dataset has references, else CLIPScore "
         "where clip_model is set.",
     )
     verdict_alpha: float = Field(

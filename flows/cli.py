@@ -334,20 +334,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     if cfg.ray_address is None and os.environ.get("RAY_ADDRESS") is None and local_service_address():
         raise _UserError(f"a warm engine service already runs on this machine ({service_file()})")
+    from captionflow.pipeline.judge import alongside
     from captionflow.pipeline.presets import PRESETS, local_ray_cpus
     from captionflow.preflight import preflight
 
     checked = _flow_call(preflight, cfg=cfg.model_copy(update={"warm_engines": "off"}), prewarm_imports=False)
     preset = PRESETS[checked.engine.preset.name]
+    judge = checked.judge if checked.judge_engine is not None else None  # the runs' judge (judge, pairwise_against)
+    if judge is not None and (why := alongside(cfg, checked.engine, judge, checked.judge_engine)):
+        raise _UserError(f"serve: the judge {judge.source} cannot keep engines beside the captioner's: {why}")
     # a local Ray with room for the service's engines beside a whole run's pipeline
-    _, engines = checked.engine.service_engines()
-    cpus = cfg.ray_num_cpus or local_ray_cpus(preset, 1) + math.ceil(engines * preset.engine_cpus)
+    _, engines = checked.engine.service_engines(beside_judge=judge is not None)
+    judges = checked.judge_engine.service_engines(beside_judge=True)[1] if judge is not None else 0
+    cpus = cfg.ray_num_cpus or local_ray_cpus(preset, 1) + math.ceil((engines + judges) * preset.engine_cpus)
     session = ray_session(cfg.model_copy(update={"ray_num_cpus": cpus, "warm_engines": "off"}))
-    service.start_service(checked.model, checked.engine, args.idle_timeout, session.address)
+    service.start_service(
+        checked.model, checked.engine, args.idle_timeout, session.address, judge, checked.judge_engine
+    )
     print(
         f"warm engines ready: {checked.model.source} ({checked.engine.preset.name}, {engines} engine"
-        f"{'s' if engines > 1 else ''}); runs use them while this "
-        "runs; stop with: captionflow serve --stop",
+        f"{'s' if engines > 1 else ''}"
+        + (f"; the judge {judge.source}, {judges} engine{'s' if judges > 1 else ''}" if judge else "")
+        + "); runs use them while this runs; stop with: captionflow serve --stop",
         flush=True,
     )
     if not session.local:
@@ -499,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     srv = sub.add_parser(
         "serve",
         help="keep warm vLLM engines between runs (the run's engine layout): runs swap their checkpoint into them "
-        "instead of starting their own",
+        "instead of starting their own; with --judge or --pairwise-against, the judge's engines too (half of each "
+        "GPU's engines each), which judge a sequential verdict's captions as they are made",
     )
     srv.add_argument("--config", help="YAML file of parameters: the model and engine settings to start with")
     srv.add_argument(

@@ -381,6 +381,9 @@ def _verdict(a: argparse.Namespace, sampler: GpuSampler, prefect_env: dict) -> d
         res["cold_pairwise"] = _cold_pairwise(a, images, ckpt_b, kwargs, env)
     if "warm_engines" in todo:
         _warm_engines(a, res, images, ckpt_a, ckpt_c, kwargs, env, cc)
+    if "warm_pairwise" in todo:
+        res["warm_pairwise"] = _warm_pairwise(a, images, ckpt_a, ckpt_b, kwargs, env, cc)
+        (Path(a.work) / "verdict-partial.json").write_text(json.dumps(res, indent=2))
     raw = {}
     if "raw" in todo:
         args = argparse.Namespace(
@@ -402,6 +405,8 @@ def _verdict(a: argparse.Namespace, sampler: GpuSampler, prefect_env: dict) -> d
             k: v.get("leaderboard_row_after_s") for k, v in (res.get("cold_pairwise") or {}).items() if "error" not in v
         },
         "cold_pairwise_captioned": {k: v.get("captioned") for k, v in (res.get("cold_pairwise") or {}).items()},
+        "warm_pairwise_s": res.get("warm_pairwise", {}).get("leaderboard_row_after_s"),
+        "warm_pairwise_captioned": res.get("warm_pairwise", {}).get("captioned"),
         "raw_wall_s": raw.get("wall_s"),
         "exit_s": {k: res[k].get("verdict_s") for k in ("cold", "warm_cache", "warm_engines") if k in res},
     }
@@ -442,24 +447,57 @@ def _warm_engines(a, res: dict, images: str, ckpt_a: str, ckpt_c: str, kwargs: s
             Path(done["leaderboard_row"]).unlink(missing_ok=True)
 
 
-def _warm_layout(a, res: dict, images: str, ckpt_a: str, ckpt_c: str, kwargs: str, env: dict, cc: Path, suffix: str):
-    got: dict = {}
-    serve_log = Path(a.work) / f"phase-verdict-serve{suffix}.log"
-    serve_cmd = [sys.executable, "-m", "flows.cli", "serve", "--model", ckpt_a, "--device", a.device]
+@contextlib.contextmanager
+def _service(a, ckpt: str, kwargs: str, env: dict, cc: Path, name: str, extra=()):
+    """``captionflow serve`` of ``ckpt`` (``extra``: more options) for the phases' runs: yields the seconds it took
+    to be ready, or the error (a dict); stopped after them."""
+    serve_log = Path(a.work) / f"phase-verdict-{name}.log"
+    serve_cmd = [sys.executable, "-m", "flows.cli", "serve", "--model", ckpt, "--device", a.device]
     serve_cmd += ["--max-pixels", str(a.max_pixels), "--max-image-side", str(a.max_image_side)]
     serve_cmd += ["--engine-kwargs", kwargs, "--compile-cache-dir", str(cc), "--idle-timeout", "900"]
-    serve_cmd += ["--cuda-mps", a.cuda_mps] + layout_options(a)
+    serve_cmd += ["--cuda-mps", a.cuda_mps] + layout_options(a) + list(extra)
     t0 = time.time()
     with open(serve_log, "w") as fh:
         server = subprocess.Popen(serve_cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env)
     try:
         while "warm engines ready" not in serve_log.read_text(errors="replace"):
             if server.poll() is not None or time.time() - t0 > a.phase_timeout:
-                got["warm_engines"] = {"error": "the service did not start", "log_tail": serve_log.read_text()[-4000:]}
-                break
+                yield {"error": "the service did not start", "log_tail": serve_log.read_text()[-4000:]}
+                return
             time.sleep(1)
+        yield round(time.time() - t0, 2)
+        save_engine_logs(Path(a.work) / f"phase-verdict-{name}-engines.log")  # the service's Ray
+    finally:
+        _stop(server, 120)
+
+
+def _warm_pairwise(a, images: str, ckpt_a: str, ckpt_b: str, kwargs: str, env: dict, cc: Path) -> dict:
+    """The sequential verdict on the pairwise judge's win through warm engines: a service on checkpoint ``ckpt_a``
+    that keeps the judge's engines too (``ckpt_a`` judges; half of each GPU's engines each), then a run of
+    ``ckpt_b`` (swapped into the captioner's engines) against the teacher's captions, each caption judged as it is
+    made (``feed.WarmRows.then``) and the captioning stopped with the verdict ("equivalent" within the margin 0.45:
+    the stand-in's random judge ties most pairs, as in ``_cold_pairwise``)."""
+    root = "out-verdict-wp"
+    shutil.rmtree(Path(a.work) / root, ignore_errors=True)
+    baseline = _teacher(a, images, env, root)
+    if isinstance(baseline, dict):
+        return baseline
+    judge = ["--judge-model", ckpt_a, "--pairwise-against", baseline]
+    with _service(a, ckpt_a, kwargs, env, cc, "serve-pairwise", judge) as started:
+        if isinstance(started, dict):
+            return started
+        extra = [*judge, "--verdict", "sequential", "--verdict-score", "pairwise", "--verdict-margin", "0.45"]
+        got = _flow_timed(a, "warm-pairwise", images, ckpt_b, kwargs, env, root, [*extra, "--warm-engines", "require"])
+        return {"service_start_s": started, **got}
+
+
+def _warm_layout(a, res: dict, images: str, ckpt_a: str, ckpt_c: str, kwargs: str, env: dict, cc: Path, suffix: str):
+    got: dict = {}
+    with _service(a, ckpt_a, kwargs, env, cc, f"serve{suffix}") as started:
+        if isinstance(started, dict):
+            got["warm_engines"] = started
         else:
-            got["service_start_s"] = round(time.time() - t0, 2)
+            got["service_start_s"] = started
             if "cold" not in res and "warm_cache" not in res and "warm_engines" not in res:
                 # nothing preprocessed the golden set yet: a run of the loaded checkpoint A does (no swap)
                 got["warm_engines_a_first"] = _flow_timed(a, "warm-engines-a", images, ckpt_a, kwargs, env)
@@ -478,7 +516,4 @@ def _warm_layout(a, res: dict, images: str, ckpt_a: str, ckpt_c: str, kwargs: st
             if "warm_sequential" in a.verdict_phases.split(","):
                 got["warm_sequential"] = _sequential(a, res, got, images, res["checkpoints"][1], kwargs, env, root)
                 (Path(a.work) / "verdict-partial.json").write_text(json.dumps({**res, **got}, indent=2))
-            save_engine_logs(Path(a.work) / f"phase-verdict-serve-engines{suffix}.log")  # the service's Ray
-    finally:
-        _stop(server, 120)
     return got

@@ -49,11 +49,13 @@ class EngineSettings:
     # (their request building scales with the engines it feeds; one count for every G kept G GPUs at one GPU's rate)
     map_concurrency: int = 1
 
-    def service_engines(self) -> tuple[EngineSettings, int]:
+    def service_engines(self, beside_judge: bool = False) -> tuple[EngineSettings, int]:
         """The warm service's engines: these settings and how many long-lived replicas hold them - the run's own
         layout (``engines_per_gpu`` per GPU), since a warm run captions through them as fast as a cold run's
-        engines would."""
-        return self, max(1, self.concurrency)
+        engines would; ``beside_judge``: the service keeps a judge's engines too, and on GPUs each model has half
+        of each GPU's engines (``halved``), as a run's judge beside its captioner has."""
+        settings = self.halved() if beside_judge and self.preset.engine_gpus else self
+        return settings, max(1, settings.concurrency)
 
     def for_rows(self, rows: int, engines: int | None = None) -> EngineSettings:
         """These settings for a pass of ``rows`` rows over ``engines`` engines (default: this layout's): at most an

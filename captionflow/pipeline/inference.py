@@ -160,17 +160,25 @@ def run_inference(
             local = ray_session(cfg).started_here
             timings["ray_init_s"] = round(time.perf_counter() - t0, 2)
             with service.for_run(cfg, model, engine) as warm, contextlib.ExitStack() as judge_side:
-                if warm is not None and judging is not None:
-                    log.info("verdict sequential on the %s: warm engines caption the full set, the judging stops "
-                             "once sure", judging.what)  # fmt: skip
+                why = warm.judges(judging.judge, judging.engine) if warm is not None and judging is not None else None
+                if why:
+                    log.info("verdict sequential on the %s: %s, so warm engines caption the full set and the judging "
+                             "stops once sure", judging.what, why)  # fmt: skip
                     judging = None
                 side = judge_path = None
                 if judging is not None:  # its folder is ours for the pass, its checkpoint staged like the captioner's
-                    if engine.preset.engine_gpus:  # half of each GPU's engines the captioner's, half the judge's
+                    if warm is not None:
+                        log.info("verdict sequential on the %s: the warm engine service's judge engines judge the "
+                                 "captions as they are made", judging.what)  # fmt: skip
+                        judge_path = judging.judge.path
+                    elif engine.preset.engine_gpus:  # half of each GPU's engines the captioner's, half the judge's
                         engine = engine.halved()
                         judging = dataclasses.replace(judging, engine=judging.engine.halved())
                     side = judge_side.enter_context(_judge_ledger(cfg, store, judging))
-                    judge_path = judge_side.enter_context(staged(judging.judge.path, judging.engine.compile_dir, local))
+                    if warm is None:
+                        judge_path = judge_side.enter_context(
+                            staged(judging.judge.path, judging.engine.compile_dir, local)
+                        )
                 with staged(model.path, engine.compile_dir, local=local and warm is None) as path:
                     fitted = fitted_folder(cfg, store, manifest, engine)
                     rows_for = _caption_rows(

@@ -205,10 +205,12 @@ def judge_processor(
     rows: int,
     ordered: bool,
     after_captions: Optional[str] = None,
+    warm=None,
 ):
     """The Ray Data LLM processor of one judge pass over ``rows`` requests (the judge loaded from ``judge_path``:
     the checkpoint, or its staged slot); ``after_captions`` (the captioning checkpoint's fingerprint): the rows
-    are a captioner's results in the same pass (``SequentialJudging``)."""
+    are a captioner's results in the same pass (``SequentialJudging``); ``warm``: the warm engine service's judge
+    engines judge them (``WarmEngine.judge_engines``)."""
     sampling = {
         "max_tokens": task.max_tokens,
         "temperature": 0.0,
@@ -222,7 +224,9 @@ def judge_processor(
     if after_captions is not None:
         request = functools.partial(judged_request, request=request)
         out = functools.partial(judged_out, out=task.out, attempt=attempt, pairs=task.fan_out is not None)
-    return build_vlm_processor(engine, judge_path, preprocess=request, postprocess=out, rows=rows, ordered=ordered)
+    return build_vlm_processor(
+        engine, judge_path, preprocess=request, postprocess=out, warm=warm, rows=rows, ordered=ordered
+    )
 
 
 def judge_passes(
@@ -237,16 +241,22 @@ def judge_passes(
     order: Optional[list[str]] = None,
     stop: Optional[Callable[[list[dict]], bool]] = None,
 ) -> list[PassResult]:
-    """The passes of a judge (``task``) over ``todo``. ``order`` and ``stop``: a sequential verdict's
-    (``run_passes``): the images go to the engines in that order, and the pass ends once ``stop`` says so."""
+    """The passes of a judge (``task``) over ``todo``, on the warm engine service's judge engines where they hold
+    this judge (``service.for_judge``), else on engines of their own. ``order`` and ``stop``: a sequential
+    verdict's (``run_passes``): the images go to the engines in that order, and the pass ends once ``stop`` says
+    so."""
+    from captionflow.service import runs as service
+
     local = ray_session(cfg).started_here
     store = ledger.store
     shards = shard_paths(store, manifest)
     fitted = fitted_folder(cfg, store, manifest, engine)
     map_kwargs = map_task_kwargs(engine)
 
-    def rows_for(attempt: int, pending: list[str], judge_path: str):
-        processor = judge_processor(cfg, judge, engine, task, judge_path, attempt, len(pending), order is not None)
+    def rows_for(attempt: int, pending: list[str], judge_path: str, warm):
+        processor = judge_processor(
+            cfg, judge, engine, task, judge_path, attempt, len(pending), order is not None, warm=warm
+        )
         images, expand = task.fan_out(pending) if task.fan_out else (pending, None)
         columns = ["image_id", "image", "references"]
         ds = read_pending(store.fs, shards, columns, images, engine, fitted, ordered=order is not None)
@@ -254,8 +264,11 @@ def judge_passes(
             ds = ds.flat_map(expand, **map_kwargs)
         return processor(ds).map(functools.partial(task.fixed, attempt=attempt), **map_kwargs)
 
-    with staged(judge.path, engine.compile_dir, local=local) as path:
-        rows = functools.partial(rows_for, judge_path=path)
+    with (
+        service.for_judge(cfg, judge, engine) as warm,
+        staged(judge.path, engine.compile_dir, local=local and warm is None) as path,
+    ):
+        rows = functools.partial(rows_for, judge_path=path, warm=warm)
         return run_passes(ledger, todo, done, cfg.row_retries, rows, order=order, stop=stop)
 
 
@@ -288,17 +301,24 @@ class SequentialJudging:
         return self.verdict.observe(self.values(rows))
 
     def after(self, captions, cfg: RunConfig, judge_path: str, attempt: int, rows: int, model_fp: str):
-        """The pass's result rows: ``captions`` (the captioner's rows, ``to_judged_caption``) judged."""
+        """The pass's result rows: ``captions`` (the captioner's rows, ``to_judged_caption``) judged; warm
+        captions (``feed.WarmRows``) by the warm engine service's judge engines, as they are made."""
+        from captionflow.service.feed import WarmRows
+
         map_kwargs = map_task_kwargs(self.engine)
         pairs = self.task.fan_out is not None
-        if pairs:
-            captions = captions.flat_map(both_orders, **map_kwargs)
-        processor = judge_processor(
-            cfg, self.judge, self.engine, self.task, judge_path, attempt, rows * (2 if pairs else 1), True, model_fp
-        )
         fixed = functools.partial(
             judged_fixed_schema, fixed=self.task.fixed, model_fp=model_fp, attempt=attempt, pairs=pairs
         )
+        n = rows * (2 if pairs else 1)
+        if isinstance(captions, WarmRows):
+            judges = captions.warm.judge_engines()
+            processor = judge_processor(cfg, self.judge, self.engine, self.task, judge_path, attempt, n, True,
+                                        model_fp, warm=judges)  # fmt: skip
+            return captions.then(processor.processor, both_orders if pairs else None).map(fixed)
+        if pairs:
+            captions = captions.flat_map(both_orders, **map_kwargs)
+        processor = judge_processor(cfg, self.judge, self.engine, self.task, judge_path, attempt, n, True, model_fp)
         return processor(captions).map(fixed, **map_kwargs)
 
 

@@ -219,5 +219,15 @@ def _warm_processor(
         batch_rows=engine.batch_size,
         ordered=ordered,
     )
+    return WarmProcessor(processor, rows)
 
-    return lambda ds: rows(ds.map(processor.preprocess, **processor.preprocess_map_kwargs))
+
+class WarmProcessor:
+    """A warm pass's processor: called on a dataset as a Ray Data LLM Processor is, it gives the pass's rows
+    (``service/feed.WarmRows``); ``processor``: its preprocess and postprocess (a judge's: ``WarmRows.then``)."""
+
+    def __init__(self, processor, rows: Callable):
+        self.processor, self._rows = processor, rows
+
+    def __call__(self, ds):
+        return self._rows(ds.map(self.processor.preprocess, **self.processor.preprocess_map_kwargs))

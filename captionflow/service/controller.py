@@ -42,11 +42,12 @@ from captionflow.pipeline.engine import EngineSettings
 from captionflow.pipeline.session import WORKER_ENV
 from captionflow.processes import alive, process_started
 from captionflow.service.address import service_file
+from captionflow.service.replica import ENGINE
 
 log = logging.getLogger("captionflow.service")
 
 APP = "captionflow"
-ENGINE = "caption-engine"
+JUDGE_APP = "captionflow-judge"
 CONTROLLER = "captionflow-service"
 NAMESPACE = "captionflow"
 SWAP_TIMEOUT_S = 1800.0  # a swap, a check or a replacement of the engines
@@ -107,6 +108,7 @@ class ServiceController:
             "last_used": time.time(),
             "stopped": False,
             "swaps": 0,
+            "judge": None,  # the judge's engines, when the service keeps them (``start_service``): what ``loaded`` says
         }
         self.holder: Optional[dict[str, Any]] = None
         self._idle_task = None
@@ -185,6 +187,16 @@ class ServiceController:
         except Exception:  # made at the swap then, which says what fails
             pass
 
+    async def judge_loaded(self, apps: list[str], spec: str, model: str, model_path: str, model_fingerprint: str):
+        """The judge ``model`` is in every engine of ``apps`` (the judge's engines, beside the captioner's)."""
+        self.state["judge"] = {
+            "apps": list(apps),
+            "spec": spec,
+            "model": model,
+            "model_path": model_path,
+            "model_fingerprint": model_fingerprint,
+        }
+
     def _engine(self, app: str) -> Any:
         if app not in self._handles:
             from ray import serve
@@ -230,7 +242,7 @@ class ServiceController:
         if not self.state["stopped"]:
             self.state["stopped"] = True
             self.state["stopped_why"] = why
-            for app in self.state["apps"]:
+            for app in self.state["apps"] + (self.state["judge"] or {}).get("apps", []):
                 try:
                     serve.delete(app)  # the engine's replica ends: its GPU share and CPUs are free
                 except Exception:
@@ -243,20 +255,29 @@ async def _awaited(response: Any) -> Any:
 
 
 # ---------------------------------------------------------------- deploying the engines
-def app_names(n: int) -> list[str]:
-    return [f"{APP}-{i}" for i in range(n)]
+def app_names(n: int, judge: bool = False) -> list[str]:
+    """The engines' Serve applications: the captioner's, or the judge's (``judge``)."""
+    return [f"{JUDGE_APP if judge else APP}-{i}" for i in range(n)]
 
 
-def _deploy(model: ResolvedModel, engine: EngineSettings, apps: list[str]) -> float:
+def _deploy(model: ResolvedModel, engine: EngineSettings, apps: list[str], *also: tuple) -> float:
     """Deploy (or replace) the engines of ``apps`` with ``model`` and ``engine`` (``service_engines``' settings),
-    all at once; returns seconds until every one is ready."""
+    and those of each ``(model, engine, apps)`` of ``also`` (the judge's), all at once; returns seconds until every
+    one is ready."""
+    from ray import serve
+
+    t0 = time.perf_counter()
+    serve.run_many([t for group in ((model, engine, apps), *also) for t in _targets(*group)])
+    return round(time.perf_counter() - t0, 2)
+
+
+def _targets(model: ResolvedModel, engine: EngineSettings, apps: list[str]) -> list:
     from ray import serve
     from ray.serve.api import RunTarget
 
     from captionflow.compat.cuda_mps import ensure_mps
     from captionflow.service.replica import CaptionEngine
 
-    t0 = time.perf_counter()
     preset = engine.preset
     actor_options: dict[str, Any] = {
         "num_cpus": preset.engine_cpus,
@@ -278,9 +299,7 @@ def _deploy(model: ResolvedModel, engine: EngineSettings, apps: list[str]) -> fl
         graceful_shutdown_timeout_s=5,
     )
     app = deployment.bind(model.path, model.fingerprint, engine)
-    targets = [RunTarget(target=app, name=name, route_prefix=None) for name in apps]
-    serve.run_many(targets)
-    return round(time.perf_counter() - t0, 2)
+    return [RunTarget(target=app, name=name, route_prefix=None) for name in apps]
 
 
 def _handle(app: str):
@@ -290,8 +309,17 @@ def _handle(app: str):
 
 
 # ---------------------------------------------------------------- starting, finding, stopping
-def start_service(model: ResolvedModel, engine: EngineSettings, idle_timeout_s: float, address: Optional[str]) -> Any:
-    """Deploy the engine and the controller on the connected Ray; returns the controller."""
+def start_service(
+    model: ResolvedModel,
+    engine: EngineSettings,
+    idle_timeout_s: float,
+    address: Optional[str],
+    judge: Optional[ResolvedModel] = None,
+    judge_engine: Optional[EngineSettings] = None,
+) -> Any:
+    """Deploy the engines and the controller on the connected Ray; returns the controller. ``judge``,
+    ``judge_engine``: the judge's engines too (on GPUs each model on half of each GPU's engines:
+    ``service_engines``), which judge a run's captions as its captioner's engines make them (``feed.WarmRows.then``)."""
     import ray
     from ray import serve
 
@@ -311,9 +339,18 @@ def start_service(model: ResolvedModel, engine: EngineSettings, idle_timeout_s: 
         .remote(idle_timeout_s)
     )
     ray.get(controller.start_idle_timer.remote())
-    settings, n = engine.service_engines()
-    apps = app_names(n)
-    seconds = _deploy(model, settings, apps)
+    settings, n = engine.service_engines(beside_judge=judge is not None)
+    apps, also = app_names(n), []
+    if judge is not None and judge_engine is not None:
+        judge_settings, n_judge = judge_engine.service_engines(beside_judge=True)
+        also.append((judge, judge_settings, app_names(n_judge, judge=True)))
+    seconds = _deploy(model, settings, apps, *also)
+    for judge, _, judge_apps in also:
+        ray.get(
+            controller.judge_loaded.remote(
+                judge_apps, engine_spec(judge, judge_engine), judge.source, judge.path, judge.fingerprint
+            )
+        )
     spec = engine_spec(model, engine)
     ray.get(controller.loaded.remote(apps, spec, model.source, model.path, model.fingerprint, False))
     if address is None:  # a local Ray: tell the runs on this machine where it is
@@ -333,7 +370,10 @@ def start_service(model: ResolvedModel, engine: EngineSettings, idle_timeout_s: 
                 }
             )
         )
-    log.info("%d warm engine(s) ready in %.1f s: %s", n, seconds, model.source)
+    log.info(
+        "%d warm engine(s) ready in %.1f s: %s%s", n, seconds, model.source,
+        "".join(f", and {len(a)} of the judge {j.source}" for j, _, a in also),
+    )  # fmt: skip
     return controller
 
 
@@ -359,7 +399,7 @@ def describe(engines: bool = False) -> Optional[dict[str, Any]]:
         return None
     if engines:
         info["engines"] = {}
-        for app in info["apps"]:
+        for app in info["apps"] + (info.get("judge") or {}).get("apps", []):
             try:
                 info["engines"][app] = _handle(app).loaded.remote().result(timeout_s=60)
             except Exception as e:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -31,17 +32,21 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from captionflow.service.replica import DATA
+
 log = logging.getLogger("captionflow.warm")
 
 GATE = "warm engines: the run's checkpoint is in the engines"  # the run's log, and the verdict bench, read these
 FIRST_BUILT = "warm engines: first block of requests built"
 FIRST_BACK = "warm engines: first block back"
 _END = object()
+CLOSE_WAIT_S = 60.0  # the most a pass waits, once it ends, for its request dataset's execution to end
 
 
 class WarmRows:
     """The result rows of one warm pass, as ``ledger.drain`` pulls them (``iter_rows``); ``map`` adds a function
-    applied to each row in the driver, in order, as ``Dataset.map`` would in a task."""
+    applied to each row in the driver, in order, as ``Dataset.map`` would in a task; ``then`` sends each result
+    row on to the service's judge engines first."""
 
     def __init__(
         self,
@@ -52,39 +57,54 @@ class WarmRows:
         batch_rows: int,
         steps: tuple[Callable, ...] = (),
         ordered: bool = False,
+        judge=None,
     ):
         self.requests, self.warm, self.processor = requests, warm, processor
         self.blocks_per_engine, self.batch_rows = max(1, blocks_per_engine), max(1, batch_rows)
         self.steps = steps
         self.ordered = ordered
+        self.judge = judge  # (the judge's processor, expand): ``then``
+
+    def _with(self, **changed: Any) -> WarmRows:
+        keep = ("requests", "warm", "processor", "blocks_per_engine", "batch_rows", "steps", "ordered", "judge")
+        return WarmRows(**{**{k: getattr(self, k) for k in keep}, **changed})
 
     def map(self, fn: Callable[[dict], dict], **_ray_options: Any) -> WarmRows:
-        return WarmRows(
-            self.requests,
-            self.warm,
-            self.processor,
-            self.blocks_per_engine,
-            self.batch_rows,
-            (*self.steps, fn),
-            self.ordered,
-        )
+        return self._with(steps=(*self.steps, fn))
+
+    def then(self, judge_processor, expand: Callable[[dict], list[dict]] | None = None) -> WarmRows:
+        """These rows judged by the service's judge engines (``WarmEngine.judges``) as the captioner's engines make
+        them: each result row, still in its engine's process with its image, becomes the judge's request rows
+        (``judge_requests``: ``expand``, e.g. both orders of a pair, then ``judge_processor``'s preprocess) and goes
+        to a judge engine; the judge's rows come back, and ``judge_processor``'s postprocess runs on them here, as
+        a cold pass's processor after the captioner's (``judge.SequentialJudging.after``) would."""
+        return self._with(judge=(judge_processor, expand))
 
     def _finish(self, row: dict) -> dict:
-        if not row.get("__inference_error__") and row.get("served_by") != self.warm.model_fingerprint:
-            row["__inference_error__"] = (
-                f"served by checkpoint {row.get('served_by')!r}, not this run's "
-                f"{self.warm.model_fingerprint!r}: not taken"
-            )
-        out = self.processor.postprocess({self.processor.DATA_COLUMN: row})
+        processor = self.judge[0] if self.judge else self.processor
+        if not row.get("__inference_error__"):
+            judge = self.warm.judge["model_fingerprint"] if self.judge else None
+            if self.judge and row.get("captioned_by") != self.warm.model_fingerprint:
+                row.pop("caption", None)  # not this run's caption: the row is the caption's failure
+                row["__inference_error__"] = (
+                    f"captioned by checkpoint {row.get('captioned_by')!r}, not this run's "
+                    f"{self.warm.model_fingerprint!r}: not taken"
+                )
+            elif row.get("served_by") != (judge or self.warm.model_fingerprint):
+                row["__inference_error__"] = (
+                    f"served by checkpoint {row.get('served_by')!r}, not "
+                    f"{'the judge' if judge else 'this run'}'s {judge or self.warm.model_fingerprint!r}: not taken"
+                )
+        out = processor.postprocess({processor.DATA_COLUMN: row})
         for fn in self.steps:
             out = fn(out)
         return out
 
     def iter_rows(self) -> Iterator[dict]:
         results: queue.Queue = queue.Queue()
-        stop = threading.Event()
+        stop, closed = threading.Event(), threading.Event()
         feeder = threading.Thread(
-            target=self._feed_thread, args=(results, stop), name="captionflow-warm-feed", daemon=True
+            target=self._feed_thread, args=(results, stop, closed), name="captionflow-warm-feed", daemon=True
         )
         feeder.start()
         try:
@@ -98,16 +118,23 @@ class WarmRows:
                     yield self._finish(row)
         finally:
             stop.set()
+            # the request dataset's execution ends before the pass does: the blocks still in the engines after an
+            # early stop come back to nobody, and an executor left running was shut down when Python collected it at
+            # exit, which hung there (it asked for Ray, which had gone: a thread started at exit)
+            if not closed.wait(CLOSE_WAIT_S):
+                log.warning("warm engines: the request dataset did not end within %.0f s", CLOSE_WAIT_S)
 
-    def _feed_thread(self, results: queue.Queue, stop: threading.Event) -> None:
+    def _feed_thread(self, results: queue.Queue, stop: threading.Event, closed: threading.Event) -> None:
         try:
-            asyncio.run(self._feed(results, stop))
+            asyncio.run(self._feed(results, stop, closed))
         except BaseException as e:
             results.put(e)
         else:
             results.put(_END)
+        finally:
+            closed.set()
 
-    async def _feed(self, results: queue.Queue, stop: threading.Event) -> None:
+    async def _feed(self, results: queue.Queue, stop: threading.Event, closed: threading.Event) -> None:
         t0 = time.perf_counter()
         # the dataset starts, and its first block is built, while the checkpoint may still be going in
         starting = asyncio.ensure_future(asyncio.to_thread(self._start, t0))
@@ -122,6 +149,20 @@ class WarmRows:
         started = await starting
         bundles = started[0]
         apps, handles = list(self.warm.apps), self.warm.handles()
+        judges: list[str] = []
+        if self.judge:  # the judge's request function goes to the object store once, not with every block
+            import ray
+
+            judges = list(self.warm.judge["apps"])
+            judge_processor, expand = self.judge
+            requests = ray.put(
+                functools.partial(
+                    judge_requests,
+                    captions=self.processor.postprocess,
+                    expand=expand,
+                    requests=judge_processor.preprocess,
+                )
+            )
         in_flight = [0] * len(handles)
         slots = asyncio.Semaphore(self.blocks_per_engine * len(handles))
         # An ordered run (a sequential verdict's) sends a batch of rows per engine first (the order's first window:
@@ -138,7 +179,8 @@ class WarmRows:
 
         async def send(i: int, ref, n: int) -> None:
             try:
-                rows = await handles[i].caption_block.remote([ref])
+                then = [judges[i % len(judges)], [requests]] if judges else None  # the judge engine i's pair
+                rows = await handles[i].caption_block.remote([ref], then)
                 if not first_back[0]:
                     first_back[0] = True
                     log.info("%s (%d rows) %.1f s after the gate", FIRST_BACK, len(rows), time.perf_counter() - t_gate)
@@ -176,10 +218,14 @@ class WarmRows:
                     sent.add(task)
                     task.add_done_callback(sent.discard)
                 bundle = None if stop.is_set() else await asyncio.to_thread(next, bundles, None)
+            if stop.is_set():  # the pass ended early: the dataset ends now, not once the blocks in flight are back
+                await _close(started)
+                closed.set()
             if sent:
                 await asyncio.gather(*sent)
         finally:
-            await _close(started)
+            if not closed.is_set():
+                await _close(started)
 
     def _start(self, t0: float):
         """The request dataset's blocks (an iterator of Ray Data ``RefBundle``s; Ray Data returns it once the first
@@ -188,6 +234,26 @@ class WarmRows:
         bundles, _, executor = self.requests._execute_to_iterator(capture_executor=False)
         log.info("%s %.1f s after the dataset was asked for", FIRST_BUILT, time.perf_counter() - t0)
         return bundles, executor
+
+
+def judge_requests(
+    rows: list[dict], captioned_by: str, *, captions: Callable, expand: Callable | None, requests: Callable
+) -> list[dict]:
+    """Runs in a captioner's engine (``replica.caption_block``): its result ``rows`` as the judge's request rows,
+    each with ``captioned_by``: the captioner's postprocess (``captions``, as Ray Data LLM wraps it: a failed row
+    passes as it is, without its image), ``expand`` (None: the row once), the judge's preprocess (``requests``,
+    wrapped: a failed row passes unjudged)."""
+    from captionflow.workers.llm_rows import JUDGE_IMAGE
+
+    out = []
+    for row in rows:
+        caption = {**captions({DATA: row}), "captioned_by": captioned_by}
+        if caption.get("__inference_error__"):
+            for k in (JUDGE_IMAGE, "multimodal_data", "prompt"):
+                caption.pop(k, None)
+        for one in expand(caption) if expand else [caption]:
+            out.append(requests(one)[DATA])
+    return out
 
 
 async def _close(started) -> None:

@@ -20,6 +20,7 @@ import time
 from typing import Any, Optional
 
 DATA = "__data"  # Ray Data LLM's Processor.DATA_COLUMN
+ENGINE = "caption-engine"  # the Serve deployment of every engine
 PAYLOAD = ("multimodal_data", "prompt")  # what a run does not need back
 DIGEST_ROWS = 64  # embedding rows compared after a swap
 # Testing hook: seconds each swap takes longer (set in the service's environment), so that a run's first requests
@@ -88,24 +89,48 @@ class CaptionEngine:
         self.model_path, self.model_fingerprint = model_path, model_fingerprint
         self.started_s = round(time.perf_counter() - t0, 2)
         self.rows = 0  # rows captioned since the replica started
+        self._judges: dict[str, Any] = {}  # a judge engine's application -> its handle (``caption_block``'s then)
+        self._requests: tuple[str, Any] = ("", None)  # the last run's ``feed.judge_requests`` and its object's id
 
-    async def caption_block(self, blocks: list) -> list[dict[str, Any]]:
+    async def caption_block(self, blocks: list, then: Optional[tuple[str, Any]] = None) -> list[dict[str, Any]]:
         """A block of a run's request rows (``blocks``: its object reference, in a list so that it reaches this
         method unresolved and is read here from the object store, not through the run's driver) through every
         stage, as Ray Data would give it to a cold run's engine stage; the rows as the stages leave them, in the
         order given, without the requests' images and prompts, each with ``served_by``: the checkpoint that
-        served it."""
+        served it. ``then``: (a judge engine's application, [``feed.judge_requests``' object]): the rows go on to that
+        engine as the judge's requests (they hold the image arrays, which stay out of the driver) and its rows
+        come back instead, each with ``captioned_by`` too: the checkpoint that made its caption."""
         from ray.data.block import BlockAccessor
 
-        served_by = self.model_fingerprint
         block = await blocks[0]
         rows = BlockAccessor.for_block(block).to_batch_format("default")[DATA].tolist()
-        for udf in self.udfs:
-            async for out in udf({DATA: rows}):
-                rows = out[DATA]
+        if then is None:
+            return await self.run_rows(rows)
+        served_by = self.model_fingerprint
+        rows = await self._stages(rows)
+        self.rows += len(rows)
+        app, (ref,) = then
+        if app not in self._judges:
+            from ray import serve
+
+            self._judges[app] = serve.get_deployment_handle(ENGINE, app)
+        if self._requests[0] != ref.hex():  # a run's function, read once
+            self._requests = (ref.hex(), await ref)
+        return await self._judges[app].run_rows.remote(self._requests[1](rows, served_by))
+
+    async def run_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Request rows through every stage: ``caption_block``'s rows, for rows given here."""
+        served_by = self.model_fingerprint
+        rows = await self._stages(rows)
         done = [{**{k: v for k, v in row.items() if k not in PAYLOAD}, "served_by": served_by} for row in rows]
         self.rows += len(done)
         return done
+
+    async def _stages(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for udf in self.udfs:
+            async for out in udf({DATA: rows}):
+                rows = out[DATA]
+        return rows
 
     async def reload(self, model_path: str, model_fingerprint: str) -> float:
         """Load another checkpoint of the same architecture into the running engine; returns the seconds."""

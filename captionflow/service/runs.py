@@ -41,8 +41,9 @@ class WarmEngine:
     The checkpoint is loaded in the background while the run's dataset starts (its reads, its requests); the run
     sends no request before ``wait`` has returned (``service/feed.py``)."""
 
-    def __init__(self, apps: list[str], model_fingerprint: str, token: str):
+    def __init__(self, apps: list[str], model_fingerprint: str, token: str, judge: Optional[dict] = None):
         self.apps, self.model_fingerprint, self.token = apps, model_fingerprint, token
+        self.judge = judge  # the service's judge engines (the controller's "judge"), if it keeps any
         self.how, self.seconds = "", 0.0
         self.error: Optional[BaseException] = None
         self.done = threading.Event()
@@ -50,6 +51,22 @@ class WarmEngine:
     def handles(self) -> list:
         """A Serve handle to each engine of ``apps``, in order."""
         return [_handle(app) for app in self.apps]
+
+    def judge_engines(self) -> WarmEngine:
+        """The service's judge engines, as a run's warm engines (they hold the judge since the service started)."""
+        judges = WarmEngine(list(self.judge["apps"]), self.judge["model_fingerprint"], self.token)
+        judges.how = "loaded"
+        judges.done.set()
+        return judges
+
+    def judges(self, judge: ResolvedModel, engine: EngineSettings) -> Optional[str]:
+        """None where the service's judge engines hold ``judge`` with ``engine``'s settings (they can judge this
+        run's captions as they are made: ``feed.WarmRows.then``), else why not."""
+        if not self.judge:
+            return "the warm engine service keeps no judge engines (captionflow serve with the run's judge)"
+        if self.judge["model_fingerprint"] != judge.fingerprint or self.judge["spec"] != engine_spec(judge, engine):
+            return f"the warm engine service's judge engines hold {self.judge['model']}, not {judge.source}"
+        return None
 
     def wait(self) -> WarmEngine:
         """Once the checkpoint is in (or its load failed: raises why)."""
@@ -63,7 +80,9 @@ class _Hold:
     """A run's hold on the service: its lease token, renewed in the background until ``release``, and its checkpoint's
     load, started at once (``warm``)."""
 
-    def __init__(self, c, token: str, model: ResolvedModel, engine: EngineSettings, spec: str, owner: str = ""):
+    def __init__(
+        self, c, token: str, model: Optional[ResolvedModel], engine: EngineSettings, spec: str, owner: str = ""
+    ):
         import ray
 
         self.c, self.token, self.owner = c, token, owner
@@ -73,9 +92,14 @@ class _Hold:
         self.loading: Optional[threading.Thread] = None
         try:
             info = ray.get(c.describe.remote(), timeout=60)
+            if model is None:  # a judge's pass: the engines as they are (``for_judge``)
+                self.warm = WarmEngine(list(info["apps"]), info["model_fingerprint"], token, info.get("judge"))
+                self.warm.done.set()
+                return
             same = info["spec"] == spec and info["apps"]  # else _load replaces them with the run's layout
+            n = engine.service_engines(beside_judge=bool(info.get("judge")))[1]
             self.warm = WarmEngine(
-                list(info["apps"]) if same else app_names(engine.service_engines()[1]), model.fingerprint, token
+                list(info["apps"]) if same else app_names(n), model.fingerprint, token, info.get("judge")
             )
             self.loading = threading.Thread(
                 target=_load, args=(c, model, engine, info, spec, self.warm), name="captionflow-warm-load", daemon=True
@@ -187,16 +211,16 @@ def _end_early(key: tuple[str, str], hold: _Hold) -> None:
 
 
 @contextlib.contextmanager
-def use(model: ResolvedModel, engine: EngineSettings, owner: str, wait_s: float) -> Iterator[WarmEngine]:
+def use(model: Optional[ResolvedModel], engine: EngineSettings, owner: str, wait_s: float) -> Iterator[WarmEngine]:
     """Hold the service for one run: wait for it, get ``model`` loaded (swap, check, replace) while the run goes
     on, and give it back once the run and the load are over. A hold taken at preflight (``start_early``) is
-    taken over."""
+    taken over. ``model`` None: the engines as they are (a judge's pass on the service's judge engines)."""
     c = _controller()
     if c is None:
         raise ServiceError("no warm engine service on this Ray cluster")
-    spec = engine_spec(model, engine)
+    spec = engine_spec(model, engine) if model is not None else ""
     with _EARLY_LOCK:
-        hold = _EARLY.pop((model.fingerprint, spec), None)
+        hold = _EARLY.pop((model.fingerprint, spec), None) if model is not None else None
     if hold is None:
         hold = _Hold(c, _acquire(c, owner, wait_s), model, engine, spec, owner)
     warm = hold.warm
@@ -218,7 +242,7 @@ def _load(c, model: ResolvedModel, engine: EngineSettings, info: dict, spec: str
     the controller, for ``warm``'s run; runs in the background (``use``): the outcome goes to ``warm``."""
     import ray
 
-    settings, n = engine.service_engines()
+    settings, n = engine.service_engines(beside_judge=bool(info.get("judge")))  # the judge's keep their share
     t0 = time.perf_counter()
     apps, how = list(info["apps"]), "loaded"
     try:
@@ -288,3 +312,28 @@ def for_run(cfg, model: ResolvedModel, engine: EngineSettings) -> Iterator[Optio
 
     with use(model, engine, _default_owner(), cfg.lease_wait_s) as warm:
         yield warm
+
+
+@contextlib.contextmanager
+def for_judge(cfg, judge: ResolvedModel, engine: EngineSettings) -> Iterator[Optional[WarmEngine]]:
+    """The warm engine service's judge engines for one judge pass, held for it (one run at a time, as ``for_run``),
+    where they hold ``judge`` with ``engine``'s settings (``WarmEngine.judges``), else None: the pass starts
+    engines of its own (said in the log where a service runs)."""
+    if cfg.warm_engines == "off" or engine.tensor_parallel_size > 1:
+        yield None
+        return
+    info = describe()
+    why = WarmEngine([], "", "", info.get("judge")).judges(judge, engine) if info is not None else "no service"
+    if why:
+        if info is not None:
+            log.info("warm engines: %s: the judge starts engines of its own", why)
+        yield None
+        return
+    from captionflow.data.lease import _default_owner
+
+    with use(None, engine, _default_owner(), cfg.lease_wait_s) as warm:
+        if warm.judges(judge, engine):  # the service changed while this run waited for it
+            yield None
+            return
+        log.info("warm engines: the service's judge engines judge (%s)", judge.source)
+        yield warm.judge_engines()

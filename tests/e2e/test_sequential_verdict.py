@@ -7,32 +7,14 @@ then a second checkpoint whose pairwise verdict stops the captioning itself (its
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
-from captionflow.builtin.synthetic import make_images
+from golden import caption_ids, golden_set, judged_rows
 
 pytestmark = pytest.mark.slow
 N = 64
-COLORS = ["red", "blue", "green", "yellow", "black", "white", "brown", "grey", "orange", "pink"]
-THINGS = ["dog", "cat", "horse", "bird", "car", "bus", "bicycle", "boat", "kite", "train"]
-VERBS = ["stands", "sits", "runs", "waits", "rests", "lies", "plays", "parks"]
-PLACES = ["grass", "road", "beach", "field", "street", "park", "snow", "lake"]
-
-
-def _references(i: int) -> list[str]:
-    r = random.Random(i)
-    c, t, v, p = r.choice(COLORS), r.choice(THINGS), r.choice(VERBS), r.choice(PLACES)
-    return [f"a {c} {t} {v} on the {p}", f"the {c} {t} {v} near the {p}", f"a {t} that {v} by the {p}"]
-
-
-def _caption_rows(run_dir: str) -> list[str]:
-    return [
-        i for p in sorted(Path(run_dir, "captions").glob("*.parquet")) for i in pq.read_table(p)["image_id"].to_pylist()
-    ]
 
 
 def _sla_events(flow_run_id: str) -> list:
@@ -53,13 +35,7 @@ def _sla_events(flow_run_id: str) -> list:
 def test_a_sequential_run_stops_once_sure_and_a_full_run_captions_the_rest(prefect_api, tmp_path):
     from flows.cli import main
 
-    data = make_images(tmp_path / "golden", N, size=(64, 48))
-    refs = {f"img_{i:06d}.jpg": _references(i) for i in range(N)}
-    (data / "captions.jsonl").write_text(
-        "".join(json.dumps({"file_name": k, "captions": v}) + "\n" for k, v in refs.items())
-    )
-    teacher = tmp_path / "teacher.jsonl"
-    teacher.write_text("".join(json.dumps({"file_name": k, "caption": v[0]}) + "\n" for k, v in refs.items()))
+    data, teacher = golden_set(tmp_path, N)
     common = ["--dataset", str(data), "--output", str(tmp_path / "out")]
     assert (
         main(["evaluate", str(teacher), "--name", "teacher", *common, "--summary-json", str(tmp_path / "t.json")]) == 0
@@ -73,7 +49,7 @@ def test_a_sequential_run_stops_once_sure_and_a_full_run_captions_the_rest(prefe
     assert v["decision"] == "worse" and v["upper"] < 0 and v["images_total"] == N
     assert v["against"] == "external:teacher" and v["score"] == "CIDEr-D" and v["alpha"] == 0.05
     assert v["images_used"] < N // 2  # stopped long before the set's end
-    captioned = _caption_rows(seq["run_dir"])
+    captioned = caption_ids(seq["run_dir"])
     assert v["images_used"] <= len(captioned) < N and len(set(captioned)) == len(captioned)
     assert seq["counts"]["failed"] == 0 and seq["passes"][-1]["stopped"] is True
     assert v["trajectory"][-1][0] == v["images_used"] and v["trajectory"][0][0] == 1
@@ -90,7 +66,7 @@ def test_a_sequential_run_stops_once_sure_and_a_full_run_captions_the_rest(prefe
     assert main([*run, str(tmp_path / "again.json"), "--verdict", "sequential"]) == 0
     again = json.loads((tmp_path / "again.json").read_text())
     assert again["metrics"]["sequential"]["images_used"] == v["images_used"]
-    assert sorted(_caption_rows(seq["run_dir"])) == sorted(captioned)
+    assert sorted(caption_ids(seq["run_dir"])) == sorted(captioned)
 
     # full-set mode on the same folder: the rest captioned, every image once, the captions made before kept
     assert main([*run, str(tmp_path / "full.json"), "--verdict", "full", "--deadline", "1h"]) == 0
@@ -103,7 +79,7 @@ def test_a_sequential_run_stops_once_sure_and_a_full_run_captions_the_rest(prefe
         board[full["run_dir"]]["deadline"].startswith("met with")
         and full["deadline"]["deadline"][:16] in (board[full["run_dir"]]["deadline"])
     )
-    everything = _caption_rows(full["run_dir"])
+    everything = caption_ids(full["run_dir"])
     assert full["run_dir"] == seq["run_dir"] and full["resumed_from"] == len(captioned)
     assert len(everything) == N and len(set(everything)) == N and set(captioned) <= set(everything)
     assert "sequential" not in full["metrics"]
@@ -117,7 +93,7 @@ def test_a_sequential_run_stops_once_sure_and_a_full_run_captions_the_rest(prefe
     c = clip["metrics"]["sequential"]
     assert c["score"] == "CLIPScore" and c["metric"] == "clip_score" and c["images_total"] == N
     assert c["decision"] != "continue" and c["trajectory"][-1][0] == c["images_used"] and c["clip_model"] == "builtin"
-    assert clip["metrics"]["clip"]["scored"] == N and sorted(_caption_rows(clip["run_dir"])) == sorted(everything)
+    assert clip["metrics"]["clip"]["scored"] == N and sorted(caption_ids(clip["run_dir"])) == sorted(everything)
     # the teacher's imported captions have no CLIPScores: the bootstrap beside the verdict says so
     assert "the baseline has no CLIPScores by builtin" in c["bootstrap"]["error"]
 
@@ -136,10 +112,10 @@ def test_a_sequential_run_stops_once_sure_and_a_full_run_captions_the_rest(prefe
         assert -0.45 <= p["lower"] <= p["upper"] <= 0.45
     judged = pair["metrics"]["pairwise"]
     assert p["images_used"] <= judged["judged"] < N and judged["failed"] == 0
-    rows = [r for f in Path(judged["pairwise_dir"], "scores").glob("*.parquet") for r in pq.read_table(f).to_pylist()]
+    rows = judged_rows(judged["pairwise_dir"])
     assert len(rows) < 2 * N and len({r["image_id"] for r in rows}) == len(rows)
     assert "agrees" in p["bootstrap"] and "images judged" in p["bootstrap"]["line"]
-    assert sorted(_caption_rows(pair["run_dir"])) == sorted(everything)  # nothing captioned again
+    assert sorted(caption_ids(pair["run_dir"])) == sorted(everything)  # nothing captioned again
     board = {r["run_dir"]: r for r in pq.read_table(tmp_path / "out" / "leaderboard.parquet").to_pylist()}
     line = board[pair["run_dir"]]["verdict"]
     assert line.startswith(f"{p['decision']} after {p['images_used']} of {N} images (alpha 0.05, pairwise win rate ")
@@ -157,12 +133,12 @@ def test_a_sequential_run_stops_once_sure_and_a_full_run_captions_the_rest(prefe
     q = pair2["metrics"]["sequential"]
     assert pair2["run_dir"] != pair["run_dir"] and q["score"] == "pairwise win rate" and q["images_total"] == N
     assert q["decision"] != "continue" and q["images_used"] < N // 2
-    captioned2 = _caption_rows(pair2["run_dir"])
+    captioned2 = caption_ids(pair2["run_dir"])
     assert q["images_used"] <= len(captioned2) < N and len(set(captioned2)) == len(captioned2)  # stopped, once each
     assert pair2["counts"]["captioned"] == len(captioned2) and pair2["counts"]["failed"] == 0
     assert pair2["passes"][-1]["stopped"] is True
     judged2 = pair2["metrics"]["pairwise"]
-    rows = [r for f in Path(judged2["pairwise_dir"], "scores").glob("*.parquet") for r in pq.read_table(f).to_pylist()]
+    rows = judged_rows(judged2["pairwise_dir"])
     pairs = [r["image_id"] for r in rows]
     assert len(set(pairs)) == len(pairs) and {i.rpartition("#")[0] for i in pairs} <= set(captioned2)
     assert q["images_used"] <= judged2["judged"] <= len(captioned2) and judged2["failed"] == 0

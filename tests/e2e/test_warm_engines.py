@@ -10,33 +10,19 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pyarrow.parquet as pq
 import pytest
+from warm_service import CLI, start_service
 
 from captionflow.builtin.demo_data import DEMO_CAPTIONS, ensure_demo_dataset
 from captionflow.service.feed import GATE
 from captionflow.service.replica import SWAP_DELAY_ENV
 
 pytestmark = pytest.mark.slow
-CLI = [sys.executable, "-m", "flows.cli"]
-
-
-@pytest.fixture
-def env(prefect_api, tmp_path):
-    from prefect.settings import PREFECT_API_URL
-
-    # a cache of its own: the service's address file lives there, apart from any other service on this machine
-    return {
-        **os.environ,
-        "PREFECT_API_URL": PREFECT_API_URL.value(),
-        "PYTHONUNBUFFERED": "1",
-        "CAPTIONFLOW_CACHE": str(tmp_path / "cache"),
-    }
 
 
 def _images(folder: Path, n: int) -> Path:
@@ -45,21 +31,6 @@ def _images(folder: Path, n: int) -> Path:
     for name in sorted(DEMO_CAPTIONS)[:n]:
         shutil.copy2(demo / name, folder / name)
     return folder
-
-
-def _serve(env, log: Path, *options: str) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [*CLI, "serve", "--device", "cpu", "--idle-timeout", "900", *options],
-        env=env,
-        stdout=open(log, "w"),  # noqa: SIM115 - the service's output, read as it grows
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    deadline = time.time() + 600
-    while "warm engines ready" not in log.read_text():
-        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-        time.sleep(2)
-    return proc
 
 
 def _run(env, *args) -> dict:
@@ -100,7 +71,7 @@ def test_two_checkpoints_through_warm_engines_then_a_service_that_dies_mid_run_a
     # two engines, as a run with --concurrency 2 would have: a swap must reach both. Each swap takes 15 s longer,
     # so that B's first requests are built while B is still being swapped in: it must send nothing before B is in.
     slow_swap = {**env, SWAP_DELAY_ENV: "15"}
-    serve = _serve(slow_swap, tmp_path / "serve.log", "--concurrency", "2")
+    serve = start_service(slow_swap, tmp_path / "serve.log", "--concurrency", "2")
     children = [p.pid for p in psutil.Process(serve.pid).children(recursive=True)]
     try:
         # a batch per image, so that both engines caption
@@ -138,7 +109,7 @@ def test_two_checkpoints_through_warm_engines_then_a_service_that_dies_mid_run_a
 
     # a service started on B, killed with its Ray while a run of B uses it
     out = tmp_path / "died"
-    serve = _serve(env, tmp_path / "serve-2.log", "--model", str(ckpt_b))
+    serve = start_service(env, tmp_path / "serve-2.log", "--model", str(ckpt_b))
     log = tmp_path / "run.log"
     args = ["--dataset", str(data), "--output", str(out), "--model", str(ckpt_b), *long]
     one_by_one = ["--batch-size", "1", "--commit-rows", "1", "--max-concurrent-batches", "1"]

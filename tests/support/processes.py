@@ -21,7 +21,7 @@ def engine_processes(since: float) -> list[str]:
         if p.info["status"] == psutil.STATUS_ZOMBIE or p.info["create_time"] < since:
             continue
         if ("VLLM::" in cmd or "spawn_main" in cmd) and _ours(p):
-            found.append(f"{p.info['pid']} {cmd[:80]}")
+            found.append(f"{p.info['pid']} {cmd[:80]} (parent {_parent(p)})")
     return found
 
 
@@ -32,6 +32,17 @@ def _ours(p) -> bool:
         return p.environ().get(WORKER) == os.environ.get(WORKER)
     except psutil.NoSuchProcess:
         return False
+
+
+def _parent(p) -> str:
+    """Who a left-over engine process hangs on: its parent's pid and command."""
+    import psutil
+
+    try:
+        parent = p.parent()
+        return f"{parent.pid} {' '.join(parent.cmdline())[:80]}" if parent else "none"
+    except psutil.Error:
+        return "gone"
 
 
 def wait_engines_gone(since: float, timeout_s: float) -> None:

@@ -69,6 +69,11 @@ def test_gpu_layout_shares_each_gpu_between_the_engines_that_feed_it(builtin_mod
     assert e.engine_kwargs["kv_cache_memory_bytes"] == GPU.kv_cache_bytes  # fixed: they share the GPU
     assert e.engine_kwargs["renderer_num_workers"] >= 2 and e.engine_kwargs["mm_processor_cache_gb"] == 0
     assert e.service_engines() == (e, 2 * e.engines_per_gpu)  # the warm service: the same engines, kept warm
+    # ... and with the judge's engines beside them, half of each GPU's engines each, every one of the same share
+    halves, n = e.service_engines(beside_judge=True)
+    assert n == e.engines_per_gpu and halves.gpu_share == e.gpu_share and halves.engine_kwargs == e.engine_kwargs
+    cpu = resolve_engine(RunConfig(device="cpu"), model, CPU)
+    assert cpu.service_engines(beside_judge=True) == (cpu, 1)  # on CPU, the engines a run starts for each
     # the request-building tasks scale with the GPUs the engines span (one count for any G capped G GPUs at one's rate)
     one_gpu = resolve_engine(RunConfig(gpu_memory_gib=80, cuda_mps="off"), model, GPU, gpus=1, local_ray=True)
     assert one_gpu.map_concurrency == GPU.map_concurrency and e.map_concurrency == 2 * GPU.map_concurrency

@@ -22,14 +22,32 @@ from captionflow.workers.llm_rows import caption_fixed_schema, to_caption
 
 
 class Engine:
-    """Answers ``caption_block.remote([ref])`` as a replica does: the block's rows without their images."""
+    """Answers ``caption_block.remote([ref], then)`` as a replica does: the block's rows without their images; with
+    ``then`` (a judge engine, the run's ``feed.judge_requests``), those rows made the judge's requests there and
+    answered by that judge engine (``run_rows``)."""
 
-    def __init__(self, name: str, served_by: str, log: list, fail: bool = False, received: list | None = None):
-        self.name, self.served_by, self.log, self.fail = name, served_by, log, fail
+    def __init__(
+        self,
+        name: str,
+        served_by: str,
+        log: list,
+        fail: bool = False,
+        received: list | None = None,
+        delay_s: float = 0.3,
+    ):
+        self.name, self.served_by, self.log, self.fail, self.delay_s = name, served_by, log, fail, delay_s
         self.received = received if received is not None else []  # the image ids, as they came
         self.caption_block = self
 
-    def remote(self, refs: list):
+    def remote(self, refs: list, then=None):
+        async def chained():
+            rows = await self.remote(refs)
+            app, (requests,) = then
+            return Warm.engines[app].run_rows(requests_fn := await requests, requests_fn(rows, self.served_by))
+
+        if then is not None:
+            return chained()
+
         async def answer():
             from ray.data.block import BlockAccessor
 
@@ -37,7 +55,7 @@ class Engine:
             rows = BlockAccessor.for_block(block).to_batch_format("default")["__data"].tolist()
             self.log.append((self.name, time.monotonic(), len(rows)))
             self.received.extend(r["image_id"] for r in rows)
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(self.delay_s)
             self.log.append((self.name, time.monotonic(), -len(rows)))  # back
             if self.fail:
                 raise RuntimeError("the replica died")
@@ -55,6 +73,16 @@ class Engine:
 
         return answer()
 
+    def run_rows(self, _fn, rows: list[dict]) -> list[dict]:
+        """A judge engine: each request row answered, its other columns kept (as the stages keep them)."""
+        assert all("multimodal_data" not in r for r in rows if r.get("__inference_error__"))
+        return [
+            r
+            if r.get("__inference_error__")
+            else {**r, "generated_text": f"judged {r['caption']}", "served_by": self.served_by}
+            for r in rows
+        ]
+
 
 class Warm:
     """``service.WarmEngine`` as the feed sees it: the engines and their handles, the run's checkpoint, ``wait`` for
@@ -62,8 +90,15 @@ class Warm:
 
     engines: dict[str, Engine] = {}
 
-    def __init__(self, apps: list[str], fingerprint: str, load_s: float = 0.0, error: Exception | None = None):
-        self.apps, self.model_fingerprint, self.error = apps, fingerprint, error
+    def __init__(
+        self,
+        apps: list[str],
+        fingerprint: str,
+        load_s: float = 0.0,
+        error: Exception | None = None,
+        judge: dict | None = None,
+    ):
+        self.apps, self.model_fingerprint, self.error, self.judge = apps, fingerprint, error, judge
         self.loaded_at = None
         self.done = threading.Event()
         threading.Timer(load_s, self._loaded).start()
@@ -104,6 +139,12 @@ def caption_rows(builtin_model_dir, tmp_path_factory):
             "sampling_params": {"max_tokens": 4},
         }
 
+    def judge_request(row):
+        return {"prompt": f"is {row['caption']!r} right?", "sampling_params": {"max_tokens": 4}}
+
+    def judged(row):
+        return {"image_id": row["image_id"], "caption": row["caption"], "judged": row["generated_text"]}
+
     def rows(warm, ordered: bool = False, built: bool = False, slow: frozenset = frozenset()):
         processor = build_vlm_processor(
             engine,
@@ -118,6 +159,16 @@ def caption_rows(builtin_model_dir, tmp_path_factory):
         )
         if ordered:  # as an ordered read_pending's dataset: its stages hand blocks on in order
             ds.context.execution_options.preserve_order = True
+        if warm.judge:  # each caption judged on by the judge's engines (a judge's processor: ``WarmRows.then``)
+            judges = Warm(warm.judge["apps"], warm.judge["model_fingerprint"])
+            judge = build_vlm_processor(engine, model.path, preprocess=judge_request, postprocess=judged, warm=judges)
+            return (
+                processor(ds)
+                .then(judge.processor)
+                .map(
+                    lambda r: {**dict.fromkeys(("caption", "judged")), **r, "error": r.get("__inference_error__") or ""}
+                )
+            )
         out = processor(ds).map(functools.partial(caption_fixed_schema, model_fp=warm.model_fingerprint, attempt=0))
         if built:  # every request block built before the feed starts: it sends as many as it may at once
             out.requests = out.requests.materialize()
@@ -189,6 +240,55 @@ def test_a_row_served_by_another_checkpoint_is_an_error_row_never_a_caption(capt
     stale = [r for r in out if r["error"]]
     assert stale and len(stale) < len(out) == 12
     assert all("served by checkpoint 'fp-a'" in r["error"] and r["caption"] == "" for r in stale)
+
+
+def test_a_judged_pass_takes_a_caption_only_from_this_runs_checkpoint_and_a_judgement_only_from_its_judge(
+    caption_rows, monkeypatch
+):
+    judge = {"apps": ["j0", "j1"], "model_fingerprint": "fp-j"}
+    # each captioner sends its captions on to a judge engine of its own (e0 -> j0, e1 -> j1)
+    for stale, engines in {
+        "e1": [Engine("e0", "fp-b", []), Engine("e1", "fp-a", []), Engine("j0", "fp-j", []), Engine("j1", "fp-j", [])],
+        "j1": [Engine("e0", "fp-b", []), Engine("e1", "fp-b", []), Engine("j0", "fp-j", []), Engine("j1", "fp-x", [])],
+    }.items():
+        _engines(monkeypatch, {e.name: e for e in engines})
+        out = list(caption_rows(Warm(["e0", "e1"], "fp-b", judge=judge)).iter_rows())
+        assert sorted(r["image_id"] for r in out) == [f"img{i:02d}" for i in range(12)]
+        good = [r for r in out if not r["error"]]
+        assert good and all(r["judged"] == f"judged caption of {r['image_id']}" for r in good)
+        bad = [r for r in out if r["error"]]
+        assert bad and len(bad) < 12
+        if stale == "e1":  # another checkpoint's caption: the row is the caption's failure, the caption not kept
+            assert all("captioned by checkpoint 'fp-a'" in r["error"] and r["caption"] is None for r in bad)
+        else:  # another judge's judgement: the caption is kept, the judgement is the judge's failure
+            assert all("served by checkpoint 'fp-x', not the judge's 'fp-j'" in r["error"] for r in bad)
+            assert all(r["caption"] == f"caption of {r['image_id']}" and r["judged"] is None for r in bad)
+
+
+def test_a_pass_stopped_early_ends_its_request_dataset_before_it_returns_not_once_the_blocks_in_flight_are_back(
+    caption_rows, monkeypatch
+):
+    from captionflow.service import feed
+
+    log: list = []
+    _engines(monkeypatch, {"e0": Engine("e0", "fp-b", log), "e1": Engine("e1", "fp-b", log, delay_s=4.0)})
+    ended: list = []
+    close = feed._close
+
+    async def closing(started):
+        await close(started)
+        ended.append(time.monotonic())
+
+    monkeypatch.setattr(feed, "_close", closing)
+    rows = caption_rows(Warm(["e0", "e1"], "fp-b"), built=True).iter_rows()
+    next(rows)  # e0's first block is back; e1's are in its engine for seconds more
+    rows.close()  # the pass stops (a verdict is in)
+    returned = time.monotonic()
+    # the dataset's execution had ended when the pass returned (left running, it hung the process at exit) ...
+    assert ended and ended[0] <= returned
+    time.sleep(4.5)
+    # ... and the pass did not wait for the blocks still in the engines
+    assert any(name == "e1" and t > returned and n < 0 for name, t, n in log)
 
 
 def test_an_engine_that_fails_or_a_load_that_fails_ends_the_pass_with_the_reason(caption_rows, monkeypatch):

@@ -92,3 +92,24 @@ def test_a_hold_taken_at_preflight_goes_to_the_inference_stage_or_back(controlle
     other = ray.get(c.try_acquire.remote("another run"))["token"]
     assert not runs.start_early(cfg, model, engine)
     ray.get(c.release.remote(other))
+
+
+def test_a_run_takes_the_services_judge_engines_only_where_they_hold_its_judge_with_its_settings(
+    builtin_model_dir, tmp_path
+):
+    from captionflow.builtin.model import build_builtin_model
+
+    judge = resolve_model("builtin")
+    engine = resolve_engine(RunConfig(device="cpu"), judge, CPU)
+    kept = {"apps": ["captionflow-judge-0"], "model": "builtin", "model_fingerprint": judge.fingerprint}
+    kept["spec"] = service.engine_spec(judge, engine)
+    warm = runs.WarmEngine(["captionflow-0"], "fp", "token", kept)
+    assert warm.judges(judge, engine) is None
+    judges = warm.judge_engines()
+    assert judges.apps == ["captionflow-judge-0"] and judges.model_fingerprint == judge.fingerprint
+    assert judges.done.is_set() and judges.token == "token"  # the run's hold
+    other = resolve_model(str(build_builtin_model(tmp_path / "other", seed=3)))
+    assert "judge engines hold builtin, not" in warm.judges(other, engine)
+    pixels = resolve_engine(RunConfig(device="cpu", max_pixels=64 * 64), judge, CPU)  # settings that change answers
+    assert "judge engines hold builtin" in warm.judges(judge, pixels)
+    assert "keeps no judge engines" in runs.WarmEngine(["captionflow-0"], "fp", "token").judges(judge, engine)
