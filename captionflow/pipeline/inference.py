@@ -390,7 +390,10 @@ def _caption_rows(
             ordered=ordered or judging is not None,
         )
         columns = ["image_id", "image", "references"] if judging else ["image_id", "image"]
-        ds = read_pending(store.fs, shards, columns, pending, engine, fitted, ordered=ordered or judging is not None)
+        ds = read_pending(
+            store.fs, shards, columns, pending, engine, fitted, ordered=ordered or judging is not None,
+            engines=len(warm.apps) if warm is not None else None,  # the first window: a batch for each that serves
+        )  # fmt: skip
         if judging:
             return judging.after(processor(ds), cfg, judge_path, attempt, len(pending), model.fingerprint)
         return processor(ds).map(

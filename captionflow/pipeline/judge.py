@@ -259,7 +259,8 @@ def judge_passes(
         )
         images, expand = task.fan_out(pending) if task.fan_out else (pending, None)
         columns = ["image_id", "image", "references"]
-        ds = read_pending(store.fs, shards, columns, images, engine, fitted, ordered=order is not None)
+        engines = len(warm.apps) if warm is not None else None
+        ds = read_pending(store.fs, shards, columns, images, engine, fitted, ordered=order is not None, engines=engines)
         if expand:
             ds = ds.flat_map(expand, **map_kwargs)
         return processor(ds).map(functools.partial(task.fixed, attempt=attempt), **map_kwargs)

@@ -103,8 +103,9 @@ class WarmRows:
     def iter_rows(self) -> Iterator[dict]:
         results: queue.Queue = queue.Queue()
         stop, closed = threading.Event(), threading.Event()
+        started: list = []  # the request dataset's (blocks, executor), once it runs
         feeder = threading.Thread(
-            target=self._feed_thread, args=(results, stop, closed), name="captionflow-warm-feed", daemon=True
+            target=self._feed_thread, args=(results, stop, closed, started), name="captionflow-warm-feed", daemon=True
         )
         feeder.start()
         try:
@@ -118,15 +119,19 @@ class WarmRows:
                     yield self._finish(row)
         finally:
             stop.set()
-            # the request dataset's execution ends before the pass does: the blocks still in the engines after an
-            # early stop come back to nobody, and an executor left running was shut down when Python collected it at
-            # exit, which hung there (it asked for Ray, which had gone: a thread started at exit)
-            if not closed.wait(CLOSE_WAIT_S):
+            # the request dataset's execution ends here, before the pass does, not once the feed has seen the stop
+            # (after the next block back: 11 s later on one H200 with a judge after the captioner): the blocks still
+            # in the engines after an early stop come back to nobody. An executor left running was shut down when
+            # Python collected it at exit, which hung there (it asked for Ray, which had gone: a thread started at
+            # exit).
+            if started:
+                _end(started[0])
+            elif not closed.wait(CLOSE_WAIT_S):
                 log.warning("warm engines: the request dataset did not end within %.0f s", CLOSE_WAIT_S)
 
-    def _feed_thread(self, results: queue.Queue, stop: threading.Event, closed: threading.Event) -> None:
+    def _feed_thread(self, results: queue.Queue, stop: threading.Event, closed: threading.Event, started: list):
         try:
-            asyncio.run(self._feed(results, stop, closed))
+            asyncio.run(self._feed(results, stop, started))
         except BaseException as e:
             results.put(e)
         else:
@@ -134,7 +139,9 @@ class WarmRows:
         finally:
             closed.set()
 
-    async def _feed(self, results: queue.Queue, stop: threading.Event, closed: threading.Event) -> None:
+    async def _feed(self, results: queue.Queue, stop: threading.Event, box: list) -> None:
+        """Hand the request blocks to the engines; ``box``: the request dataset's (blocks, executor) go there once it
+        runs."""
         t0 = time.perf_counter()
         # the dataset starts, and its first block is built, while the checkpoint may still be going in
         starting = asyncio.ensure_future(asyncio.to_thread(self._start, t0))
@@ -147,6 +154,7 @@ class WarmRows:
         t_gate = time.perf_counter()
         log.info("%s (waited %.1f s)", GATE, t_gate - t0)
         started = await starting
+        box.append(started)
         bundles = started[0]
         apps, handles = list(self.warm.apps), self.warm.handles()
         judges: list[str] = []
@@ -218,14 +226,10 @@ class WarmRows:
                     sent.add(task)
                     task.add_done_callback(sent.discard)
                 bundle = None if stop.is_set() else await asyncio.to_thread(next, bundles, None)
-            if stop.is_set():  # the pass ended early: the dataset ends now, not once the blocks in flight are back
-                await _close(started)
-                closed.set()
             if sent:
                 await asyncio.gather(*sent)
         finally:
-            if not closed.is_set():
-                await _close(started)
+            await _close(started)
 
     def _start(self, t0: float):
         """The request dataset's blocks (an iterator of Ray Data ``RefBundle``s; Ray Data returns it once the first
@@ -258,6 +262,10 @@ def judge_requests(
 
 async def _close(started) -> None:
     """End the dataset's execution: done already when its blocks have all been taken, not after an early stop."""
+    await asyncio.to_thread(_end, started)
+
+
+def _end(started) -> None:
     _, executor = started
     if executor is not None:
-        await asyncio.to_thread(executor.shutdown, True)
+        executor.shutdown(True)  # once: a second call returns at once

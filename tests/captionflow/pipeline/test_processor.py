@@ -127,6 +127,7 @@ def test_read_pending_gives_the_pending_rows_of_every_shard_in_batches(tmp_path,
     assert sorted(got) == sorted(order) and all(b.column_names == ["image_id", "image"] for b in batches)
     windows = rank_windows(len(order), engine.batch_size * engine.concurrency)
     assert windows[0] == (0, 4) and len(windows) == 2  # one engine's batch of 4 first, then the 8 after it
+    assert got[0] == order[0]  # the shard holding the order's first image is read first
     position, k = {i: n for n, i in enumerate(order)}, 0
     for lo, hi in windows:
         part, k = got[k : k + hi - lo], k + hi - lo
@@ -134,3 +135,25 @@ def test_read_pending_gives_the_pending_rows_of_every_shard_in_batches(tmp_path,
         for s in range(3):
             mine = [position[i] for i in part if i.startswith(f"img-{s}-")]
             assert mine == sorted(mine)  # each shard's rows of the window in order
+
+
+def test_an_ordered_read_reads_a_window_only_from_the_shards_holding_its_rows_the_first_rank_first(tmp_path):
+    import fsspec
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from captionflow.pipeline.processor import ordered_reads
+
+    shards = []
+    for s in range(4):
+        path = tmp_path / f"part-{s:05d}.parquet"
+        pq.write_table(pa.table({"image_id": [f"img-{s}-{i}" for i in range(3)]}), path)
+        shards.append({"shard": str(path), "fitted": ""})
+    order = ["img-3-0", "img-1-2", "img-3-1", "img-0-0", "img-2-2", "img-1-0", "img-9-9"]  # img-9-9: in no shard
+    reads = ordered_reads(fsspec.filesystem("file"), shards, order, [(0, 3), (3, 7)])
+    got = [(r["shard"].rsplit("-", 1)[1][:5], r["lo"], r["hi"]) for r in reads]
+    # the first window (ranks 0-2) only from shards 3 and 1, shard 3 first (rank 0); the second from 0, 2, 1
+    assert got == [("00003", 0, 3), ("00001", 0, 3), ("00000", 3, 7), ("00002", 3, 7), ("00001", 3, 7)]
+    assert all(r["fitted"] == "" for r in reads)
+    # nothing pending: one read of no rows
+    assert [(r["lo"], r["hi"]) for r in ordered_reads(fsspec.filesystem("file"), shards, [], [])] == [(0, 0)]

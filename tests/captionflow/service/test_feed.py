@@ -33,9 +33,9 @@ class Engine:
         log: list,
         fail: bool = False,
         received: list | None = None,
-        delay_s: float = 0.3,
+        delays_s: tuple = (0.3,),  # each block's time in the engine, the last for every later block
     ):
-        self.name, self.served_by, self.log, self.fail, self.delay_s = name, served_by, log, fail, delay_s
+        self.name, self.served_by, self.log, self.fail, self.delays_s = name, served_by, log, fail, list(delays_s)
         self.received = received if received is not None else []  # the image ids, as they came
         self.caption_block = self
 
@@ -55,7 +55,7 @@ class Engine:
             rows = BlockAccessor.for_block(block).to_batch_format("default")["__data"].tolist()
             self.log.append((self.name, time.monotonic(), len(rows)))
             self.received.extend(r["image_id"] for r in rows)
-            await asyncio.sleep(self.delay_s)
+            await asyncio.sleep(self.delays_s.pop(0) if len(self.delays_s) > 1 else self.delays_s[0])
             self.log.append((self.name, time.monotonic(), -len(rows)))  # back
             if self.fail:
                 raise RuntimeError("the replica died")
@@ -271,24 +271,27 @@ def test_a_pass_stopped_early_ends_its_request_dataset_before_it_returns_not_onc
     from captionflow.service import feed
 
     log: list = []
-    _engines(monkeypatch, {"e0": Engine("e0", "fp-b", log), "e1": Engine("e1", "fp-b", log, delay_s=4.0)})
+    slow = {"e0": Engine("e0", "fp-b", log, delays_s=(0.3, 4.0)), "e1": Engine("e1", "fp-b", log, delays_s=(4.0,))}
+    _engines(monkeypatch, slow)
     ended: list = []
-    close = feed._close
+    end = feed._end
 
-    async def closing(started):
-        await close(started)
+    def ending(started):
+        end(started)
         ended.append(time.monotonic())
 
-    monkeypatch.setattr(feed, "_close", closing)
-    rows = caption_rows(Warm(["e0", "e1"], "fp-b"), built=True).iter_rows()
-    next(rows)  # e0's first block is back; e1's are in its engine for seconds more
+    monkeypatch.setattr(feed, "_end", ending)
+    # ordered: the feed sends a block per engine, then one more per block back, and waits for the next one back
+    rows = caption_rows(Warm(["e0", "e1"], "fp-b"), ordered=True, built=True).iter_rows()
+    next(rows)  # e0's first block is back; the others are in the engines for seconds more
     rows.close()  # the pass stops (a verdict is in)
     returned = time.monotonic()
     # the dataset's execution had ended when the pass returned (left running, it hung the process at exit) ...
     assert ended and ended[0] <= returned
     time.sleep(4.5)
-    # ... and the pass did not wait for the blocks still in the engines
-    assert any(name == "e1" and t > returned and n < 0 for name, t, n in log)
+    # ... and the pass did not wait for the blocks still in the engines (4 s each), nor for the next one back
+    first_back = min(t for _, t, n in log if n < 0)
+    assert returned - first_back < 2.0 and sum(1 for _, t, n in log if n < 0 and t > returned) >= 2
 
 
 def test_an_engine_that_fails_or_a_load_that_fails_ends_the_pass_with_the_reason(caption_rows, monkeypatch):
