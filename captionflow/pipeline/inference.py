@@ -111,7 +111,7 @@ def run_inference(
     store = Store(cfg.output)
     run = caption_run_parts(cfg, manifest, model, engine)
     shards = shard_paths(store, manifest)
-    all_ids = store.ids(shards)
+    all_ids = set().union(*store.shard_ids(shards).values())
     timings: dict[str, float] = {}
     passes = []
     engines = "per-run"
@@ -393,6 +393,7 @@ def _caption_rows(
         ds = read_pending(
             store.fs, shards, columns, pending, engine, fitted, ordered=ordered or judging is not None,
             engines=len(warm.apps) if warm is not None else None,  # the first window: a batch for each that serves
+            shard_ids=store.shard_ids(shards),  # read with all_ids
         )  # fmt: skip
         if judging:
             return judging.after(processor(ds), cfg, judge_path, attempt, len(pending), model.fingerprint)

@@ -129,7 +129,7 @@ def run_judge(
     passes = []
     judging = None
     if cfg.verdict == "sequential" and cfg.verdict_score == "judge":
-        images = store.ids(shard_paths(store, manifest))
+        images = set().union(*store.shard_ids(shard_paths(store, manifest)).values())
         judging = judge_score_judging(cfg, store, run, images, caption_failures(store, run), judge, engine)
     verdict = judging.verdict if judging else None
     with Lease(store, "/".join(base), what=f"the judge folder {store.url(*base)}", wait_s=cfg.lease_wait_s) as lease:
@@ -260,7 +260,10 @@ def judge_passes(
         images, expand = task.fan_out(pending) if task.fan_out else (pending, None)
         columns = ["image_id", "image", "references"]
         engines = len(warm.apps) if warm is not None else None
-        ds = read_pending(store.fs, shards, columns, images, engine, fitted, ordered=order is not None, engines=engines)
+        ds = read_pending(
+            store.fs, shards, columns, images, engine, fitted, ordered=order is not None, engines=engines,
+            shard_ids=store.shard_ids(shards),
+        )  # fmt: skip
         if expand:
             ds = ds.flat_map(expand, **map_kwargs)
         return processor(ds).map(functools.partial(task.fixed, attempt=attempt), **map_kwargs)

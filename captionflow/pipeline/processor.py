@@ -48,12 +48,14 @@ def read_pending(
     fitted: str | None = None,
     ordered: bool = False,
     engines: int | None = None,
+    shard_ids: dict[str, list[str]] | None = None,
 ):
     """A Ray dataset of the dataset shards' rows whose image_id is in ``pending``; with ``fitted`` (a folder:
     ``fitted_folder``), their images fitted to the engine's grid, read from there or fitted once and kept;
     ``ordered``: ``pending``'s order window by window (``rank_windows``: its first rows, enough for one wave of
     every engine - ``engines``, default the layout's - then windows twice as large), each window read from the
-    shards that hold its rows (``ordered_reads``) and in order within each read: a sequential verdict's prefix
+    shards that hold its rows (``ordered_reads``; ``shard_ids``: each shard's image ids, ``Store.shard_ids``) and
+    in order within each read: a sequential verdict's prefix
     reaches the engines first, and every stage after the read (the engines' too) hands its blocks on in that order
     (the dataset's own context: not the process's). Rows of one window can come from several reads at once (the
     verdict waits for the prefix: ``PrefixVerdict``); one global sort of the image rows (Ray Data's ``sort``) held
@@ -71,7 +73,8 @@ def read_pending(
     shards = [{"shard": p, "fitted": fitted_path(fitted, p) if fitted else ""} for p in shard_paths]
     if ordered:  # window-major: the reads of the first window are started first
         first = engine.batch_size * max(1, engines or engine.concurrency)
-        shards = ordered_reads(fs, shards, pending, rank_windows(len(pending), first))
+        assert shard_ids is not None, "an ordered read needs the shards' image ids (Store.shard_ids)"
+        shards = ordered_reads(shards, pending, rank_windows(len(pending), first), shard_ids)
     ds = ray.data.from_items(shards, override_num_blocks=max(len(shards), 1))
     read = functools.partial(
         read_pending_rows,
@@ -92,24 +95,16 @@ def read_pending(
     return ds
 
 
-def ordered_reads(fs, shards: list[dict], pending: list[str], windows: list[tuple[int, int]]) -> list[dict]:
+def ordered_reads(
+    shards: list[dict], pending: list[str], windows: list[tuple[int, int]], shard_ids: dict[str, list[str]]
+) -> list[dict]:
     """The read tasks of an ordered read (``read_pending``): for each window of ``pending``'s ranks, the shards that
-    hold its rows, the one holding the window's first rank first, each with the window (``lo``, ``hi``). A read of
-    every shard for every window, in the manifest's order, handed the order's first images on a shard at a time:
-    on one H200, 5,000 images in ~190 shards, the first window's 128 rows were still being read 10 s after the
-    warm engines were ready, and a verdict on the first 7 images came 16.5 s after that."""
-    import concurrent.futures
-
-    import pyarrow.parquet as pq
-
-    def ranks(shard: dict) -> list[int]:
-        with fs.open(shard["shard"], "rb") as fh:
-            ids = pq.read_table(fh, columns=["image_id"])["image_id"].to_pylist()
-        return sorted(rank[i] for i in ids if i in rank)
-
+    hold its rows (``shard_ids``: each shard's image ids), the one holding the window's first rank first, each with
+    the window (``lo``, ``hi``). Read from every shard in the manifest's order, a window's blocks went out a shard at
+    a time, the order's first images among the last: on one H200 (5,000 images, ~190 shards) the first window was
+    still being read 10 s after the warm engines were ready."""
     rank = {image_id: k for k, image_id in enumerate(pending)}
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        held = list(pool.map(ranks, shards))
+    held = [sorted(rank[i] for i in shard_ids[s["shard"]] if i in rank) for s in shards]
     reads = []
     for lo, hi in windows:
         first = [(next((r for r in mine if lo <= r < hi), None), k) for k, mine in enumerate(held)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 from captionflow.config import RunConfig
+from captionflow.data.storage import Store
 from captionflow.model_source import resolve_model
 from captionflow.pipeline.engine import resolve_engine
 from captionflow.pipeline.presets import CPU, GPU
@@ -118,7 +119,10 @@ def test_read_pending_gives_the_pending_rows_of_every_shard_in_batches(tmp_path,
     order = pending[:-1]
     random.Random(3).shuffle(order)
     assert not ray.data.DataContext.get_current().execution_options.preserve_order
-    ds = read_pending(fsspec.filesystem("file"), shards, ["image_id", "image"], order, engine, ordered=True)
+    held = Store(str(tmp_path)).shard_ids(shards)
+    ds = read_pending(
+        fsspec.filesystem("file"), shards, ["image_id", "image"], order, engine, ordered=True, shard_ids=held
+    )
     # the dataset's own context (its later stages', the engines' too) keeps the windows' order; the process's not
     assert ds.context.execution_options.preserve_order
     assert not ray.data.DataContext.get_current().execution_options.preserve_order
@@ -138,7 +142,6 @@ def test_read_pending_gives_the_pending_rows_of_every_shard_in_batches(tmp_path,
 
 
 def test_an_ordered_read_reads_a_window_only_from_the_shards_holding_its_rows_the_first_rank_first(tmp_path):
-    import fsspec
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -149,11 +152,13 @@ def test_an_ordered_read_reads_a_window_only_from_the_shards_holding_its_rows_th
         path = tmp_path / f"part-{s:05d}.parquet"
         pq.write_table(pa.table({"image_id": [f"img-{s}-{i}" for i in range(3)]}), path)
         shards.append({"shard": str(path), "fitted": ""})
+    held = Store(str(tmp_path)).shard_ids([s["shard"] for s in shards])
+    assert held[shards[2]["shard"]] == ["img-2-0", "img-2-1", "img-2-2"]
     order = ["img-3-0", "img-1-2", "img-3-1", "img-0-0", "img-2-2", "img-1-0", "img-9-9"]  # img-9-9: in no shard
-    reads = ordered_reads(fsspec.filesystem("file"), shards, order, [(0, 3), (3, 7)])
+    reads = ordered_reads(shards, order, [(0, 3), (3, 7)], held)
     got = [(r["shard"].rsplit("-", 1)[1][:5], r["lo"], r["hi"]) for r in reads]
     # the first window (ranks 0-2) only from shards 3 and 1, shard 3 first (rank 0); the second from 0, 2, 1
     assert got == [("00003", 0, 3), ("00001", 0, 3), ("00000", 3, 7), ("00002", 3, 7), ("00001", 3, 7)]
     assert all(r["fitted"] == "" for r in reads)
     # nothing pending: one read of no rows
-    assert [(r["lo"], r["hi"]) for r in ordered_reads(fsspec.filesystem("file"), shards, [], [])] == [(0, 0)]
+    assert [(r["lo"], r["hi"]) for r in ordered_reads(shards, [], [], held)] == [(0, 0)]
