@@ -120,10 +120,9 @@ class WarmRows:
         finally:
             stop.set()
             # the request dataset's execution ends here, before the pass does, not once the feed has seen the stop
-            # (after the next block back: 11 s later on one H200 with a judge after the captioner): the blocks still
-            # in the engines after an early stop come back to nobody. An executor left running was shut down when
-            # Python collected it at exit, which hung there (it asked for Ray, which had gone: a thread started at
-            # exit).
+            # (after its next block back): the blocks still in the engines after an early stop come back to nobody.
+            # An executor left running was shut down when Python collected it at exit, which hung there (it asked
+            # for Ray, which had gone: a thread started at exit).
             if started:
                 _end(started[0])
             elif not closed.wait(CLOSE_WAIT_S):

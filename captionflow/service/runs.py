@@ -332,8 +332,10 @@ def for_judge(cfg, judge: ResolvedModel, engine: EngineSettings) -> Iterator[Opt
     from captionflow.data.lease import _default_owner
 
     with use(None, engine, _default_owner(), cfg.lease_wait_s) as warm:
-        if warm.judges(judge, engine):  # the service changed while this run waited for it
-            yield None
+        why = warm.judges(judge, engine)  # the service may have changed while this run waited for it
+        if why is None:
+            log.info("warm engines: the service's judge engines judge (%s)", judge.source)
+            yield warm.judge_engines()
             return
-        log.info("warm engines: the service's judge engines judge (%s)", judge.source)
-        yield warm.judge_engines()
+    log.info("warm engines: %s: the judge starts engines of its own", why)  # the service given back first
+    yield None
