@@ -32,8 +32,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from captionflow.service.replica import DATA
-
 log = logging.getLogger("captionflow.warm")
 
 GATE = "warm engines: the run's checkpoint is in the engines"  # the run's log, and the verdict bench, read these
@@ -168,6 +166,7 @@ class WarmRows:
                     captions=self.processor.postprocess,
                     expand=expand,
                     requests=judge_processor.preprocess,
+                    column=self.processor.DATA_COLUMN,
                 )
             )
         in_flight = [0] * len(handles)
@@ -240,22 +239,28 @@ class WarmRows:
 
 
 def judge_requests(
-    rows: list[dict], captioned_by: str, *, captions: Callable, expand: Callable | None, requests: Callable
+    rows: list[dict],
+    captioned_by: str,
+    *,
+    captions: Callable,
+    expand: Callable | None,
+    requests: Callable,
+    column: str,
 ) -> list[dict]:
     """Runs in a captioner's engine (``replica.caption_block``): its result ``rows`` as the judge's request rows,
-    each with ``captioned_by``: the captioner's postprocess (``captions``, as Ray Data LLM wraps it: a failed row
-    passes as it is, without its image), ``expand`` (None: the row once), the judge's preprocess (``requests``,
-    wrapped: a failed row passes unjudged)."""
+    each with ``captioned_by``: the captioner's postprocess (``captions``, as Ray Data LLM wraps it, around the row
+    under ``column``: a failed row passes as it is, without its image), ``expand`` (None: the row once), the judge's
+    preprocess (``requests``, wrapped: a failed row passes unjudged)."""
     from captionflow.workers.llm_rows import JUDGE_IMAGE
 
     out = []
     for row in rows:
-        caption = {**captions({DATA: row}), "captioned_by": captioned_by}
+        caption = {**captions({column: row}), "captioned_by": captioned_by}
         if caption.get("__inference_error__"):
             for k in (JUDGE_IMAGE, "multimodal_data", "prompt"):
                 caption.pop(k, None)
         for one in expand(caption) if expand else [caption]:
-            out.append(requests(one)[DATA])
+            out.append(requests(one)[column])
     return out
 
 
