@@ -170,6 +170,10 @@ class Store:
                     self._shard_ids[p] = t.column("image_id").to_pylist()
         return {p: self._shard_ids[p] for p in paths}
 
+    def dataset_ids(self, paths: Iterable[str]) -> set[str]:
+        """Every image id of a preprocessed dataset's shards (``shard_ids``: read once, then kept)."""
+        return set().union(*self.shard_ids(paths).values())
+
     def ids(self, paths: Iterable[str]) -> set[str]:
         """The values of the ``image_id`` column of some Parquet files."""
         t = self.read_tables(list(paths), columns=["image_id"])

@@ -111,7 +111,7 @@ def run_inference(
     store = Store(cfg.output)
     run = caption_run_parts(cfg, manifest, model, engine)
     shards = shard_paths(store, manifest)
-    all_ids = set().union(*store.shard_ids(shards).values())
+    all_ids = store.dataset_ids(shards)
     timings: dict[str, float] = {}
     passes = []
     engines = "per-run"

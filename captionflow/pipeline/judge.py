@@ -129,7 +129,7 @@ def run_judge(
     passes = []
     judging = None
     if cfg.verdict == "sequential" and cfg.verdict_score == "judge":
-        images = set().union(*store.shard_ids(shard_paths(store, manifest)).values())
+        images = store.dataset_ids(shard_paths(store, manifest))
         judging = judge_score_judging(cfg, store, run, images, caption_failures(store, run), judge, engine)
     verdict = judging.verdict if judging else None
     with Lease(store, "/".join(base), what=f"the judge folder {store.url(*base)}", wait_s=cfg.lease_wait_s) as lease:

@@ -80,7 +80,7 @@ def run_pairwise(
     passes = []
     judging = None
     if cfg.verdict == "sequential" and cfg.verdict_score == "pairwise" and common:
-        images = set().union(*store.shard_ids(shard_paths(store, manifest)).values())
+        images = store.dataset_ids(shard_paths(store, manifest))
         failures = caption_failures(store, run)
         judging = pairwise_judging(cfg, store, run, images, failures, judge, engine, resolved=(base, baseline))
     verdict = judging.verdict if judging else None

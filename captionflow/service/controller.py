@@ -339,18 +339,17 @@ def start_service(
         .remote(idle_timeout_s)
     )
     ray.get(controller.start_idle_timer.remote())
-    settings, n = engine.service_engines(beside_judge=judge is not None)
-    apps, also = app_names(n), []
-    if judge is not None and judge_engine is not None:
+    judged = judge is not None and judge_engine is not None
+    settings, n = engine.service_engines(beside_judge=judged)
+    apps, also, judge_apps = app_names(n), [], []
+    if judged:
         judge_settings, n_judge = judge_engine.service_engines(beside_judge=True)
-        also.append((judge, judge_settings, app_names(n_judge, judge=True)))
+        judge_apps = app_names(n_judge, judge=True)
+        also.append((judge, judge_settings, judge_apps))
     seconds = _deploy(model, settings, apps, *also)
-    for judge, _, judge_apps in also:
-        ray.get(
-            controller.judge_loaded.remote(
-                judge_apps, engine_spec(judge, judge_engine), judge.source, judge.path, judge.fingerprint
-            )
-        )
+    if judged:
+        spec = engine_spec(judge, judge_engine)
+        ray.get(controller.judge_loaded.remote(judge_apps, spec, judge.source, judge.path, judge.fingerprint))
     spec = engine_spec(model, engine)
     ray.get(controller.loaded.remote(apps, spec, model.source, model.path, model.fingerprint, False))
     if address is None:  # a local Ray: tell the runs on this machine where it is
@@ -372,7 +371,7 @@ def start_service(
         )
     log.info(
         "%d warm engine(s) ready in %.1f s: %s%s", n, seconds, model.source,
-        "".join(f", and {len(a)} of the judge {j.source}" for j, _, a in also),
+        f", and {len(judge_apps)} of the judge {judge.source}" if judged else "",
     )  # fmt: skip
     return controller
 

@@ -62,11 +62,7 @@ class WarmEngine:
     def judges(self, judge: ResolvedModel, engine: EngineSettings) -> Optional[str]:
         """None where the service's judge engines hold ``judge`` with ``engine``'s settings (they can judge this
         run's captions as they are made: ``feed.WarmRows.then``), else why not."""
-        if not self.judge:
-            return "the warm engine service keeps no judge engines (captionflow serve with the run's judge)"
-        if self.judge["model_fingerprint"] != judge.fingerprint or self.judge["spec"] != engine_spec(judge, engine):
-            return f"the warm engine service's judge engines hold {self.judge['model']}, not {judge.source}"
-        return None
+        return _not_judging(self.judge, judge, engine)
 
     def wait(self) -> WarmEngine:
         """Once the checkpoint is in (or its load failed: raises why)."""
@@ -74,6 +70,16 @@ class WarmEngine:
         if self.error is not None:
             raise self.error
         return self
+
+
+def _not_judging(kept: Optional[dict], judge: ResolvedModel, engine: EngineSettings) -> Optional[str]:
+    """Why the judge engines ``kept`` (the controller's "judge") cannot judge for ``judge`` with ``engine``'s
+    settings; None where they can."""
+    if not kept:
+        return "the warm engine service keeps no judge engines (captionflow serve with the run's judge)"
+    if kept["model_fingerprint"] != judge.fingerprint or kept["spec"] != engine_spec(judge, engine):
+        return f"the warm engine service's judge engines hold {kept['model']}, not {judge.source}"
+    return None
 
 
 class _Hold:
@@ -323,7 +329,7 @@ def for_judge(cfg, judge: ResolvedModel, engine: EngineSettings) -> Iterator[Opt
         yield None
         return
     info = describe()
-    why = WarmEngine([], "", "", info.get("judge")).judges(judge, engine) if info is not None else "no service"
+    why = _not_judging(info.get("judge"), judge, engine) if info is not None else "no service"
     if why:
         if info is not None:
             log.info("warm engines: %s: the judge starts engines of its own", why)
