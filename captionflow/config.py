@@ -191,17 +191,20 @@ class RunConfig(BaseModel):
         "full",
         title="Verdict: the full set, or stop as soon as it is sure",
         description="'sequential': caption the dataset in a seeded random order and compare each image's "
-        "verdict_score with verdict_against's, through an anytime-valid confidence sequence for the mean "
-        "difference over the whole set; captioning stops once it says better, worse or (with verdict_margin) "
-        "equivalent. The same run with 'full' later captions the rest.",
+        "verdict_score with verdict_against's; captioning stops as soon as the checkpoint is surely better, worse "
+        "or equivalent (within verdict_margin) - about the checkpoint on images like these, not only this set's "
+        "mean - and once every image is seen a paired test decides the rest ('no detectable difference' where "
+        "neither). The same run with 'full' later captions the rest. docs/evaluation.md says what each verdict "
+        "promises.",
     )
     verdict_against: str = Field(
         "previous",
         title="Sequential verdict against",
-        description="The baseline of the sequential verdict: 'previous' or 'best' (comparable runs: same dataset, "
-        "same generation settings), a checkpoint evaluated on this dataset or a run folder (external captions "
-        "imported with captionflow evaluate too). Without one yet, the run captions the full set. A pairwise "
-        "verdict's baseline is pairwise_against's.",
+        description="The baseline of the sequential verdict: 'previous' or 'best' among the comparable runs that "
+        "captioned the whole set (same dataset, same generation settings; a run the verdict stopped early is "
+        "never a baseline), a checkpoint evaluated on this dataset or a run folder (external captions imported "
+        "with captionflow evaluate too). Without one yet, the run captions the full set. A pairwise verdict's "
+        "baseline is pairwise_against's.",
     )
     verdict_score: Literal["auto", "cider", "clip", "judge", "pairwise"] = Field(
         "auto",
@@ -220,17 +223,18 @@ class RunConfig(BaseModel):
         gt=0.0,
         lt=0.5,
         title="Sequential verdict: error rate",
-        description="The chance that the sequential verdict says better or worse when the checkpoints do not "
-        "differ, however often it looks.",
+        description="The chance that the sequential verdict calls two equally good checkpoints better or worse, "
+        "however early it stops (each wrong direction at most half of it; a wrong 'equivalent' at most half of it).",
     )
-    verdict_margin: float = Field(
-        0.0,
+    verdict_margin: Optional[float] = Field(
+        None,
         ge=0.0,
-        le=10.0,
+        lt=5.0,
         title="Sequential verdict: equivalence margin",
-        description="Stop with 'equivalent' once the mean difference of verdict_score over the set is surely "
-        "within +/- this (CIDEr-D is on 0-10, CLIPScore on 0-2.5, the judge's score on 1-5, a pairwise "
-        "verdict's win rate minus 0.5 on -0.5-0.5); 0: no equivalence verdict.",
+        description="Differences of the expected per-image verdict_score smaller than this do not matter: the "
+        "verdict says 'equivalent' once they are surely within +/- this, and its stakes are tuned to detect "
+        "differences this large. Default (empty): CIDEr-D 0.05, CLIPScore 0.01, judge score 0.1, pairwise win rate "
+        "0.03 (docs/evaluation.md); 0: no equivalence verdict. At least 0 and below half the score's range.",
     )
     clip_model: Optional[str] = Field(
         None,

@@ -87,6 +87,19 @@ def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
     return PreflightResult(model=model, judge=judge, engine=engine, judge_engine=judge_engine, clip=clip)
 
 
+def check_margin(cfg: RunConfig) -> None:
+    """The sequential verdict's margin means something for every score it may compare ('auto': CIDEr-D, or
+    CLIPScore where clip_model is set): at least 0 and below half the score's range."""
+    from captionflow.evaluation.sequential import VERDICT_SCORES
+
+    scores = {"auto": ["cider"] + (["clip"] if cfg.clip_model else [])}.get(cfg.verdict_score, [cfg.verdict_score])
+    for score in scores:
+        try:
+            VERDICT_SCORES[score].check_margin(cfg.verdict_margin)
+        except ValueError as e:
+            raise OptionError(str(e)) from None
+
+
 def check_inputs(cfg: RunConfig, models: list[str] | None = None) -> None:
     """What needs neither Ray, an engine, a download nor a Prefect server: the output root can be written, the
     dataset exists, each local model folder (``models``; default the run's model and judge) exists, the engine
@@ -99,6 +112,8 @@ def check_inputs(cfg: RunConfig, models: list[str] | None = None) -> None:
         raise OptionError("verdict_score pairwise needs pairwise_against (the baseline the judge compares with)")
     if cfg.verdict == "sequential" and cfg.verdict_score == "judge" and not cfg.judge:
         raise OptionError("verdict_score judge needs judge (the judge's 1-5 score of every caption)")
+    if cfg.verdict == "sequential":
+        check_margin(cfg)
     check_output(cfg.output)
     check_dataset(cfg.dataset)
     if models is None:

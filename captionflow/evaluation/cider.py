@@ -10,17 +10,23 @@ CIDEr (tests/captionflow/evaluation/test_cider.py), and a prefix's scores are th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from captionflow.evaluation.tokens import simple_tokenize
 
 BOUNDS = (0.0, 10.0)  # an image's CIDEr-D: 10 x a mean of clipped cosines (each <= 1) over n-gram sizes and references
 
 
 class FixedIdfCider:
-    def __init__(self, references: dict[str, list[str]]):
+    """``tokenize``: text -> the space-joined tokens the scorer takes (``simple_tokenize``; the identity for text the
+    PTB tokenizer has tokenised already)."""
+
+    def __init__(self, references: dict[str, list[str]], tokenize: Callable[[str], str] = simple_tokenize):
         from pycocoevalcap.cider.cider_scorer import CiderScorer, cook_refs
 
+        self._tokenize = tokenize
         self._ids = [i for i in sorted(references) if references[i]]
-        self._refs = {i: cook_refs([simple_tokenize(r) for r in references[i]]) for i in self._ids}
+        self._refs = {i: cook_refs([tokenize(r) for r in references[i]]) for i in self._ids}
         whole = CiderScorer(n=4, sigma=6.0)
         whole.crefs = [self._refs[i] for i in self._ids]
         whole.compute_doc_freq()
@@ -38,7 +44,7 @@ class FixedIdfCider:
             return {}
         scorer = CiderScorer(n=4, sigma=6.0)
         chosen = set(ids)
-        scorer.ctest = [cook_test(simple_tokenize(captions[i])) for i in ids]
+        scorer.ctest = [cook_test(self._tokenize(captions[i])) for i in ids]
         # compute_cider pairs ctest with the first len(ctest) crefs and takes log(len(crefs)) as the IDF's N: the
         # images scored first, then every other image's references, so that N is the whole set's
         scorer.crefs = [self._refs[i] for i in ids] + [self._refs[i] for i in self._ids if i not in chosen]

@@ -58,6 +58,8 @@ def evaluate(
     verdict = inference.verdict or (judge and judge.verdict) or (pairwise and pairwise.verdict)
     if verdict:
         metrics["sequential"] = verdict
+    if stopped_early(inference, judge):
+        metrics["partial"] = True
     judged: dict[str, dict] = {}
     if judge:
         metrics["judge"] = judge.headline()
@@ -123,6 +125,13 @@ def evaluate(
         seconds=round(time.perf_counter() - t0, 2),
         report_html=store.url(*run, "report.html"),
     )
+
+
+def stopped_early(inference: InferenceResult, judge: Optional[JudgeResult]) -> bool:
+    """Whether a sequential verdict stopped the captioning, or the judging, before every image: the run's metrics
+    are then of the order's prefix (the leaderboard marks it, and it is no other run's baseline)."""
+    captions = inference.captioned + inference.failed < inference.accepted
+    return captions or (judge is not None and judge.judged + judge.failed < inference.captioned)
 
 
 def write_html_report(

@@ -35,27 +35,31 @@ def reference_metrics(
 ) -> tuple[dict, dict]:
     """BLEU-1..4, ROUGE-L and CIDEr (pycocoevalcap's CIDEr-D scorer), plus METEOR with ``java``.
 
-    Returns (aggregate, per_image) where per_image maps image_id -> {metric: score}. CIDEr's IDF comes from the
-    whole reference set, BLEU is the corpus's. Text is tokenised by ``simple_tokenize`` (no Java) or, with
-    ``java``, by the PTB tokenizer. Without Java, ``processes`` (default ``scorer_processes``) share the images
-    out and score their shares at once, with the same numbers as one process (``_scored_in_shares``).
+    Returns (aggregate, per_image) where per_image maps image_id -> {metric: score}. CIDEr's IDF comes from all of
+    ``references`` (the whole golden set's, also where only some of its images have captions: a run the sequential
+    verdict stopped early is on the scale of a full one, ``cider.FixedIdfCider``), BLEU is the corpus's. Text is
+    tokenised by ``simple_tokenize`` (no Java) or, with ``java``, by the PTB tokenizer. Without Java,
+    ``processes`` (default ``scorer_processes``) share the images out and score their shares at once, with the
+    same numbers as one process (``_scored_in_shares``).
     """
     from pycocoevalcap.bleu.bleu import Bleu
-    from pycocoevalcap.cider.cider import Cider
     from pycocoevalcap.rouge.rouge import Rouge
 
     ids = sorted(i for i in captions if references.get(i))
     if not ids:
         return {}, {}
     if java:
-        gts = ptb_tokenize({i: references[i] for i in ids})
+        every = ptb_tokenize({i: r for i, r in references.items() if r})
+        gts = {i: every[i] for i in ids}
         res = ptb_tokenize({i: [captions[i]] for i in ids})
+        cider, texts = FixedIdfCider(every, tokenize=str), {i: res[i][0] for i in ids}
     else:
         gts = {i: [simple_tokenize(r) for r in references[i]] for i in ids}
         res = {i: [simple_tokenize(captions[i])] for i in ids}
+        cider, texts = FixedIdfCider(references), {i: captions[i] for i in ids}
     processes = scorer_processes(len(ids)) if processes is None else processes
     if not java and processes > 1:
-        return _scored_in_shares(ids, gts, res, {i: captions[i] for i in ids}, references, processes)
+        return _scored_in_shares(ids, gts, res, texts, cider, processes)
     agg: dict[str, float] = {}
     per: dict[str, dict] = {i: {} for i in ids}
     import contextlib
@@ -67,7 +71,13 @@ def reference_metrics(
         agg[f"bleu_{n + 1}"] = float(bleu[n])
         for i, v in zip(ids, bleu_each[n]):
             per[i][f"bleu_{n + 1}"] = float(v)
-    scorers = [("rouge_l", Rouge()), ("cider", Cider())]
+    import numpy as np
+
+    each_cider = cider.scores(texts)
+    agg["cider"] = float(np.mean(np.array([each_cider[i] for i in ids])))
+    for i in ids:
+        per[i]["cider"] = each_cider[i]
+    scorers = [("rouge_l", Rouge())]
     if java:
         from pycocoevalcap.meteor.meteor import Meteor
 
@@ -84,18 +94,17 @@ def reference_metrics(
 _SHARED: dict = {}  # what the scoring processes read: set before they are forked, so never pickled to them
 
 
-def _scored_in_shares(ids, gts, res, captions, references, processes: int) -> tuple[dict, dict]:
+def _scored_in_shares(ids, gts, res, captions, cider: FixedIdfCider, processes: int) -> tuple[dict, dict]:
     """``reference_metrics`` over ``processes`` forked processes, each scoring a contiguous share of ``ids``:
     ROUGE-L per image, BLEU's counts per image (the corpus BLEU and each image's come from all of them at the
-    end, in order), CIDEr-D per image with the whole set's document frequencies (``cider.FixedIdfCider``).
+    end, in order), CIDEr-D per image by ``cider`` (the document frequencies of the whole set's references).
     Aggregates are the same means over the same per-image numbers as pycocoevalcap's single calls."""
     import multiprocessing
 
     import numpy as np
     from pycocoevalcap.bleu.bleu_scorer import BleuScorer
 
-    # the document frequencies of the images scored here, as pycocoevalcap's Cider takes them
-    _SHARED.update(ids=ids, gts=gts, res=res, captions=captions, cider=FixedIdfCider({i: references[i] for i in ids}))
+    _SHARED.update(ids=ids, gts=gts, res=res, captions=captions, cider=cider)
     step = -(-len(ids) // processes)
     shares = [(lo, min(lo + step, len(ids))) for lo in range(0, len(ids), step)]
     try:

@@ -21,8 +21,11 @@ NOT_A_REGRESSION = ("no detectable difference", "better")
 def regression(summary: dict[str, Any], threshold: float) -> Optional[dict[str, Any]]:
     """The alert's payload when the run's primary metric is below the best comparable run's by more than
     ``threshold`` (a fraction of the best) and the paired bootstrap against that run, where it was computed, does
-    not call the difference noise; else None."""
+    not call the difference noise; else None. A run its sequential verdict stopped early (``partial``) gets none:
+    its metric is its prefix's, and the verdict is its answer."""
     metrics = summary.get("metrics") or {}
+    if metrics.get("partial"):
+        return None
     value = (metrics.get("reference") or {}).get(PRIMARY)
     best = ((metrics.get("comparison") or {}).get("best_so_far")) or {}
     delta = best.get(PRIMARY)

@@ -27,14 +27,8 @@ from captionflow.data.layout import CAPTIONS, SCORES, caption_failures, read_cap
 from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
 from captionflow.errors import BaselineError, DatasetError, RowsFailed
-from captionflow.evaluation.cider import BOUNDS as CIDER_BOUNDS
 from captionflow.evaluation.cider import FixedIdfCider
-from captionflow.evaluation.sequential import (
-    PrefixVerdict,
-    paired_bounds,
-    paired_differences,
-    verdict_line,
-)
+from captionflow.evaluation.sequential import VERDICT_SCORES, PrefixVerdict, paired_differences, verdict_line
 from captionflow.model_source import ClipModel, ResolvedModel
 from captionflow.pipeline.baseline import baseline_order, baseline_verdict, resolve_baseline
 from captionflow.pipeline.clip_score import PrefixClipScore
@@ -48,7 +42,6 @@ from captionflow.pipeline.session import ray_session
 from captionflow.pipeline.staging import staged
 from captionflow.results import InferenceResult, Manifest
 from captionflow.service import runs as service
-from captionflow.workers.clip_rows import BOUNDS as CLIP_BOUNDS
 from captionflow.workers.llm_rows import (
     CAPTION_SCHEMA,
     caption_fixed_schema,
@@ -204,6 +197,8 @@ def run_inference(
                     engines = f"warm ({warm.how})"
                     timings["warm_engine_s"] = warm.seconds
             timings["inference_s"] = round(time.perf_counter() - t_start, 2)
+    if verdict is not None:  # the captions that failed for good leave its order: the rest decides
+        verdict.finish(all_ids - done)
     captioned = len(done & all_ids)
     result = InferenceResult(
         run_dir=store.url(*run),
@@ -223,7 +218,7 @@ def run_inference(
     elif judging is not None and judging.verdict.decided:
         log.info("captioning stopped, the %s's sequential verdict is in: %s", judging.what,
                  verdict_line(judging.verdict.record()))  # fmt: skip
-    if (verdict or judging) and (verdict or judging.verdict).decided:
+    if (verdict or judging) and (verdict or judging.verdict).stopped_early:
         # the images the verdict did not need are not failures: only the last pass's are
         result.failed = passes[-1].failed if passes and passes[-1].stopped else 0
     if result.failed:
@@ -317,25 +312,22 @@ def sequential_verdict(
     theirs = {i: c for i, c in read_captions(Store(baseline["run_dir"]), ()).items() if i in ids and i in population}
     if not theirs:
         raise BaselineError(f"verdict_against: the run {baseline['run_dir']} has no captions of this dataset's images")
-    order = baseline_order(run, baseline, theirs)
+    order = baseline_order(run, baseline, set(theirs) - caption_failures(store, run), theirs)
     if score == "cider":
         # the references' document frequencies are counted while the run's requests start (~1.7 s for 5,000
         # images on 2 cores); the first captions to score wait for them
         idf = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="captionflow-idf")
         cider = idf.submit(FixedIdfCider, refs)
         idf.shutdown(wait=False)
-        scorer, bounds, name, extra = (lambda captions: cider.result().scores(captions)), CIDER_BOUNDS, "CIDEr-D", {}
+        scorer, extra = (lambda captions: cider.result().scores(captions)), {}
     else:
-        scorer, bounds, name = PrefixClipScore(clip, store, shards, order, gpu), CLIP_BOUNDS, "CLIPScore"
+        scorer = PrefixClipScore(clip, store, shards, order, gpu)
         # where the bootstrap beside the verdict finds the baseline's CLIPScores by the same checkpoint
         extra = {
             "clip_model": clip.source,
             "baseline_scores": f"{baseline['run_dir'].rstrip('/')}/clip/{clip.fingerprint}",
         }
-    metric = "cider" if score == "cider" else "clip_score"
-    return baseline_verdict(
-        cfg, baseline, order, paired_differences(scorer, theirs), paired_bounds(bounds), name, metric, extra
-    )
+    return baseline_verdict(cfg, baseline, order, paired_differences(scorer, theirs), VERDICT_SCORES[score], extra)
 
 
 def _caption_rows(

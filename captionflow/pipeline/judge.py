@@ -32,7 +32,7 @@ from captionflow.data.layout import (
 from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
 from captionflow.errors import BaselineError
-from captionflow.evaluation.sequential import PrefixVerdict
+from captionflow.evaluation.sequential import VERDICT_SCORES, PrefixVerdict
 from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.baseline import baseline_order, baseline_verdict, resolve_baseline
 from captionflow.pipeline.engine import EngineSettings
@@ -91,8 +91,8 @@ def judge_verdict(
     ``verdict_against``: the dataset's ``images`` the baseline has scores of by this judge (the same checkpoint,
     settings and prompt: the baseline's ``judge/<fingerprint>``), but those whose caption ``failed``, judged in an
     order seeded by the dataset and the baseline run (``baseline_order``); each image's difference is this run's
-    score minus the baseline's, within (-4, 4). None (the full set judged, said in the log) while no baseline
-    exists yet; BaselineError for a baseline without this judge's scores."""
+    score minus the baseline's. None (the full set judged, said in the log) while no baseline exists yet;
+    BaselineError for a baseline without this judge's scores."""
     base = resolve_baseline(store, run, cfg.verdict_against, what="verdict_against")
     if base is None:
         log.info("verdict sequential: no %s comparable run yet, so every caption is judged", cfg.verdict_against)
@@ -110,9 +110,7 @@ def judge_verdict(
         base,
         baseline_order(run, base, common - failed, common),
         lambda mine: {i: mine[i] - theirs[i] for i in mine},
-        (-4.0, 4.0),
-        "judge score",
-        "judge_mean",
+        VERDICT_SCORES["judge"],
         {"judge_model": judge.source, "baseline_scores": folder},
     )
 
@@ -154,7 +152,9 @@ def run_judge(
     rows = scores.to_pylist() if scores is not None else []
     values = [r["score"] for r in rows]
     failed = len(captions) - len(rows)
-    if verdict and verdict.decided:  # captions the verdict did not need judged are not failures: the last pass's are
+    if verdict is not None:  # the captions whose judgements failed for good leave its order: the rest decides
+        verdict.finish(set(verdict.order) - {r["image_id"] for r in rows})
+    if verdict and verdict.stopped_early:  # captions it did not need judged are not failures: the last pass's are
         failed = passes[-1].failed if passes and passes[-1].stopped else 0
     return JudgeResult(
         judge_model=judge.source,

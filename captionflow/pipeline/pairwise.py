@@ -21,7 +21,7 @@ from captionflow.data.layout import SCORES, caption_failures, read_captions, sha
 from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
 from captionflow.evaluation.pairwise_scores import per_image_scores
-from captionflow.evaluation.sequential import PrefixVerdict
+from captionflow.evaluation.sequential import VERDICT_SCORES, PrefixVerdict
 from captionflow.evaluation.significance import win_rate
 from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.baseline import baseline_order, baseline_verdict, resolve_baseline
@@ -104,7 +104,9 @@ def run_pairwise(
     both = {i: s for i, s in per_image.items() if len(s) == len(ORDERS)}
     shares = [sum(s.values()) / len(ORDERS) for s in both.values()]
     failed = len(todo) - len(rows)
-    if verdict and verdict.decided:  # the judgements the verdict did not need are not failures: the last pass's are
+    if verdict is not None:  # the images whose judgements failed for good leave its order: the rest decides
+        verdict.finish(set(verdict.order) - set(both))
+    if verdict and verdict.stopped_early:  # the judgements it did not need are not failures: the last pass's are
         failed = passes[-1].failed if passes and passes[-1].stopped else 0
     return PairwiseResult(
         against=cfg.pairwise_against,
@@ -180,15 +182,13 @@ def pairwise_verdict(
     dataset's ``images`` the baseline captioned, but those whose caption ``failed``, judged in an order seeded by
     the dataset and the baseline run (``baseline_order``); an image's value is this run's share of its two
     judgements (1 won both, 0.5 split or tied, 0 lost both), its difference from an even split the share minus
-    0.5, within (-0.5, 0.5): the interval is for the win rate over the whole set minus 0.5."""
+    0.5: the interval is for the expected win rate minus 0.5."""
     return baseline_verdict(
         cfg,
         base,
         baseline_order(run, base, images - failed, images),
         lambda shares: {i: s - 0.5 for i, s in shares.items()},
-        (-0.5, 0.5),
-        "pairwise win rate",
-        "pairwise_score",
+        VERDICT_SCORES["pairwise"],
     )
 
 

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from captionflow.data.layout import shard_paths
 from captionflow.data.storage import Store
-from captionflow.evaluation.sequential import bootstrap_line, verdict_line
+from captionflow.evaluation.sequential import bootstrap_line, meaning, verdict_line
 from captionflow.results import Manifest
 
 THUMB_PX = 160
@@ -129,7 +129,7 @@ def chart_png(rows: list[dict], current_run_dir: str) -> Optional[bytes]:
 
 
 def verdict_png(record: dict) -> bytes:
-    """The sequential verdict's interval for the mean difference over the set, image by image, with 0, the
+    """The sequential verdict's interval for the expected per-image difference, look by look, with 0, the
     equivalence margin and the stop marked."""
     import matplotlib
 
@@ -142,8 +142,8 @@ def verdict_png(record: dict) -> bytes:
     ax = fig.subplots()
     ax.fill_between(n, [t[1] for t in traj], [t[2] for t in traj], color="#2060a0", alpha=0.3, step="post")
     ax.axhline(0, color="black", linewidth=0.8)
-    if record.get("delta"):
-        for y in (-record["delta"], record["delta"]):
+    if record.get("margin"):
+        for y in (-record["margin"], record["margin"]):
             ax.axhline(y, color="grey", linestyle=":", linewidth=0.8)
     ax.axvline(record["images_used"], color="#d04010", linestyle="--", linewidth=1)
     ax.set_xlabel(f"images (of {record['images_total']:,}) in the seeded order")
@@ -214,9 +214,10 @@ def render_html(
     if seq:
         out += [
             f"<h2>Sequential verdict against <code>{_e(seq['against'])}</code></h2>",
-            f"<p id='verdict'><b>{_e(verdict_line(seq))}</b>. The interval holds for the mean {_e(seq['score'])} "
-            f"difference over all {seq['images_total']:,} images at every image count at once (anytime-valid), "
-            "so stopping as soon as it excludes 0 keeps the error rate at alpha.</p>",
+            f"<p id='verdict'><b>{_e(verdict_line(seq))}</b>. {_e(meaning(seq))} The interval is for the "
+            f"expected per-image {_e(seq['score'])} difference on images like the golden set's; while the images "
+            "come it holds at every look at once, so stopping as soon as it decides keeps the error rate; once "
+            "every image is seen a paired t test decides the rest (docs/evaluation.md).</p>",
             *([f"<p id='verdict-bootstrap'>{_e(line)}.</p>"] if (line := bootstrap_line(seq)) else []),
             f"<img id='verdict-chart' alt='the interval narrowing over images' src='data:image/png;base64,"
             f"{base64.b64encode(verdict_png(seq)).decode('ascii')}'>",

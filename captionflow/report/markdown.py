@@ -11,7 +11,7 @@ import pyarrow as pa
 from captionflow.data.layout import EXTERNAL_GENERATION, LEADERBOARD
 from captionflow.data.lease import Lease
 from captionflow.data.storage import Store
-from captionflow.evaluation.sequential import bootstrap_line, verdict_line
+from captionflow.evaluation.sequential import bootstrap_line, meaning, verdict_line
 from captionflow.results import InferenceResult, Manifest
 
 COMPARED = ("bleu_4", "rouge_l", "cider", "meteor", "judge_mean", "clip_score")
@@ -46,8 +46,9 @@ def read_leaderboard(store: Store) -> list[dict]:
 
 def update_leaderboard(store: Store, ds_fp: str, run: tuple, model_source: str, metrics: dict) -> dict:
     """Write this run's row and return the deltas against the previous and the best run on the same dataset
-    with the same generation settings (never across them). Concurrent writers never lose a row: each
-    writes its own row file; ``leaderboard.parquet`` is recompacted from all of them under a lease."""
+    with the same generation settings (never across them), among those that captioned the whole set. Concurrent
+    writers never lose a row: each writes its own row file; ``leaderboard.parquet`` is recompacted from all of them
+    under a lease."""
     row = {
         "dataset_fingerprint": ds_fp,
         "model_fingerprint": run[2],
@@ -61,6 +62,9 @@ def update_leaderboard(store: Store, ds_fp: str, run: tuple, model_source: str, 
         "judge_mean": (metrics.get("judge") or {}).get("mean_score"),
         # a sequential verdict's decision, e.g. "worse after 612 of 5,000 images (alpha 0.05, ...)"
         "verdict": verdict_line(metrics["sequential"]) if metrics.get("sequential") else None,
+        # the sequential verdict stopped the captioning: the row's metrics are of the order's prefix, and the run is
+        # neither another's baseline nor "best" (baseline.resolve_baseline)
+        "partial": bool(metrics.get("partial")),
         # the run's deadline when it was evaluated, e.g. "MISSED by 3 h 05 min (2026-11-29T06:00:00)"
         "deadline": f"{d['line']} ({d['deadline']})" if (d := metrics.get("deadline")) else None,
         "clip_score": (metrics.get("clip") or {}).get("mean"),
@@ -78,6 +82,7 @@ def update_leaderboard(store: Store, ds_fp: str, run: tuple, model_source: str, 
         if _row_name(r) != _row_name(row)
         and r["dataset_fingerprint"] == ds_fp
         and r["generation_fingerprint"] == row["generation_fingerprint"]
+        and not r.get("partial")  # a prefix's metrics: compared with nothing
     ]
     previous = max(same, key=lambda r: r["evaluated_at"], default=None)
     best = max((r for r in same if r.get("cider") is not None), key=lambda r: r["cider"], default=None)
@@ -241,7 +246,19 @@ def render_report(
         f"- dataset: {md_text(manifest.source)} (`{manifest.dataset_fingerprint}`)",
         f"- inputs: {c.listed} listed, {c.accepted} accepted, {c.quarantined} quarantined, {c.duplicates} duplicates",
         f"- captioned: {inference.captioned}, failed: {inference.failed}",
-        *([f"- sequential verdict: {md_text(verdict_line(metrics['sequential']))}"] if "sequential" in metrics else []),
+        *(
+            [
+                f"- sequential verdict: {md_text(verdict_line(metrics['sequential']))}. "
+                f"{md_text(meaning(metrics['sequential']))}"
+            ]
+            if "sequential" in metrics
+            else []
+        ),
+        *(
+            ["- partial: the sequential verdict stopped this run early; its metrics are of the images it captioned"]
+            if metrics.get("partial")
+            else []
+        ),
         *([f"- {md_text(line)}"] if (line := bootstrap_line(metrics.get("sequential"))) else []),
         "- to look at: `report.html` beside this file (thumbnails, side by side with the compared checkpoint, chart)",
         "",
@@ -342,14 +359,15 @@ def leaderboard_rows(
 
 
 def leaderboard_table(rows: list[dict]) -> str:
-    """Rows as an aligned text table (fingerprints shortened to 8 characters)."""
+    """Rows as an aligned text table (fingerprints shortened to 8 characters; ``n`` of a run its sequential verdict
+    stopped early marked ``(partial)``: its metrics are its prefix's)."""
     cols = ("evaluated_at", "dataset", "generation", "model", "n", "cider", "bleu_4", "rouge_l", "judge")
 
     def cell(r: dict, c: str) -> str:
         v = {
             "dataset": r["dataset_fingerprint"][:8],
             "generation": r["generation_fingerprint"][:8],
-            "n": r.get("n_captions"),
+            "n": f"{r.get('n_captions')} (partial)" if r.get("partial") else r.get("n_captions"),
             "judge": r.get("judge_mean"),
         }.get(c, r.get(c))
         return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)

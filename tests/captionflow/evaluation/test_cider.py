@@ -45,9 +45,14 @@ def test_the_whole_set_scores_as_the_coco_scorer_does_and_a_subset_scores_the_sa
     few = list(refs)[5:12]
     part = cider.scores({i: caps[i] for i in few})
     assert all(abs(part[i] - whole[i]) < 1e-12 for i in few)
-    # the COCO scorer on the subset alone takes its IDF from the subset: other numbers (why this class exists)
+    # the subset alone as the whole set: the IDF from its references only, other numbers (why this class exists)
     _, alone = reference_metrics({i: caps[i] for i in few}, {i: refs[i] for i in few})
     assert any(abs(alone[i]["cider"] - whole[i]) > 1e-3 for i in few)
+    # a run that captioned only the subset of the whole set (a verdict stopped it early): the whole set's scale, in
+    # one process and in several
+    for processes in (1, 2):
+        agg, prefix = reference_metrics({i: caps[i] for i in few}, refs, processes=processes)
+        assert all(abs(prefix[i]["cider"] - whole[i]) < 1e-12 for i in few) and agg["n_scored"] == len(few)
     assert all(BOUNDS[0] <= s <= BOUNDS[1] for s in whole.values())
     perfect = cider.scores({i: r[0] for i, r in refs.items()})  # a reference scores high, within the bounds
     assert min(perfect.values()) > 1.0 and max(perfect.values()) <= BOUNDS[1]

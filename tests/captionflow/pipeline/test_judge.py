@@ -39,7 +39,7 @@ def test_a_judge_verdict_compares_each_image_with_the_baseline_judged_by_the_sam
     # the images the baseline has scores of, but the one whose caption failed for good: the order of all of them
     # with it left out, so that the judgements committed before it was left out stay a prefix
     verdict = judge_verdict(against, store, mine, checked.judge, checked.engine, set(ids), {ids[3]})
-    seed = f"ds:{store.url(*base).rstrip('/')}"
+    seed = f"ds:{store.url(*base).rstrip('/')}:fp-me"  # the dataset, the baseline and this candidate
     assert verdict.order == [i for i in seeded_order(ids[:30], seed) if i != ids[3]]
     assert judge_verdict(against, store, mine, checked.judge, checked.engine, set(ids), set()).order == seeded_order(
         ids[:30], seed

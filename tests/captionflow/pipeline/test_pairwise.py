@@ -68,10 +68,10 @@ def test_a_pairwise_verdict_takes_each_image_once_both_orders_are_judged_in_the_
     cfg = RunConfig(verdict="sequential", verdict_score="pairwise", pairwise_against="previous")
     base = {"model": "ckpt-1", "run_dir": "/out/runs/ds/fp-ckpt-1/g"}
     verdict = pairwise_verdict(cfg, ("runs", "ds", "fp-me", "g"), base, images, set())
-    assert verdict.order == seeded_order(sorted(images), "ds:/out/runs/ds/fp-ckpt-1/g")
+    assert verdict.order == seeded_order(sorted(images), "ds:/out/runs/ds/fp-ckpt-1/g:fp-me")  # and this candidate
     # an image whose caption failed for good is left out of the same order
     less = pairwise_verdict(cfg, ("runs", "ds", "fp-me", "g"), base, images, {verdict.order[1]})
-    assert less.order == verdict.order[:1] + verdict.order[2:] and less.cs.n_total == len(images) - 1
+    assert less.order == verdict.order[:1] + verdict.order[2:] and len(less.order) == len(images) - 1
     judged = JudgedShares()
     first, second = verdict.order[:2]
     assert judged.add([{"image_id": f"{second}#ab", "candidate_score": 1.0}]) == {}  # one order: not yet an image
@@ -84,9 +84,12 @@ def test_a_pairwise_verdict_takes_each_image_once_both_orders_are_judged_in_the_
             break
     record = verdict.record()
     assert record["decision"] == "better" and record["lower"] > 0 and record["images_used"] < 40
-    assert record["mean_difference"] == pytest.approx((0.0 + 0.5 * (record["images_used"] - 1)) / record["images_used"])
+    assert record["mean_difference"] == pytest.approx(
+        (0.5 * (record["images_used"] - 1)) / record["images_used"], abs=1e-6
+    )
     line = verdict_line(record)
-    assert line.startswith(f"better after {record['images_used']} of 40 images (alpha 0.05, pairwise win rate 0.")
+    assert line.startswith(f"better after {record['images_used']} of 40 images (pairwise win rate 0.")
+    assert line.endswith("; alpha 0.05, margin 0.03, against ckpt-1)")
     win = {"win_rate": 0.9, "ci_low": 0.8, "ci_high": 1.0, "n_images": record["images_used"], "verdict": "better"}
     boot = bootstrap_beside_verdict(record, [], 100, win=win)
     assert boot["agrees"] and boot["delta"] == pytest.approx(0.4) and "images judged: better" in boot["line"]
