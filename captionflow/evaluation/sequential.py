@@ -13,9 +13,9 @@ checkpoints have mu = 0 however their captions happen to fall on these images.
 - "equivalent": mu within +/- the margin (differences that small do not matter: ``Score.margin``);
 - "no detectable difference": every image seen, and none of the above.
 
-**How**, alpha split in two halves (``FINAL_SHARE``):
+**How**, alpha split in two (``FINAL_SHARE``):
 
-1. While the captions come, in a seeded uniformly random order (so that the order's prefix is a random sample of
+1. While the captions come (1 - FINAL_SHARE of alpha), in a seeded uniformly random order (so that the order's prefix is a random sample of
    the set, and so of the images it stands for), a confidence sequence for mu by betting (Waudby-Smith & Ramdas,
    "Estimating means of bounded random variables by betting", JRSSB 2024, the with-replacement form): for each
    candidate mean m, one gambler bets that the next difference is above m and one that it is below, each with
@@ -25,11 +25,10 @@ checkpoints have mu = 0 however their captions happen to fall on these images.
    every m no gambler has beaten, its ends found by bisection on the capital. The stakes are tuned for an effect
    of the margin's size (``Score.margin`` where none is given) and grow with the running mean's distance from m
    (the Kelly stake for the larger of the two), capped at ``TRUNCATION`` of the capital in the worst case: in
-   simulations of realistic scores (tests/captionflow/evaluation/test_sequential.py) this stops at +0.05 CIDEr-D
-   after about 3,000 of 5,000 images where the generic stake (the predictable plug-in of the paper's section 3)
-   needs about 4,500.
-2. Once every image is seen and the sequence has said nothing, the paired t interval at 1 - alpha/2 decides: a
-   verdict never comes from running out of images.
+   simulations of realistic scores (bench/verdict_sim.py) this stops at +0.05 CIDEr-D after a median 2,500 of
+   5,000 images where the generic stake (the predictable plug-in of the paper's section 3) needs about 4,500.
+2. Once every image is seen and the sequence has said nothing, the paired t interval at 1 - FINAL_SHARE * alpha
+   decides: a verdict never comes from running out of images.
 
 Assumptions: the order is fixed before any caption is seen (``seeded_order``), the sample is its prefix - never
 "whichever captions finished first" (``PrefixVerdict``) - and each difference lies within the score's bounds.
@@ -48,7 +47,7 @@ from captionflow.evaluation.cider import BOUNDS as CIDER
 from captionflow.workers.clip_rows import BOUNDS as CLIP
 
 FINAL_SHARE = 0.3  # the part of alpha kept for the paired t test once every image is seen
-TRUNCATION = 0.5  # the most of its capital a gambler can lose on one image
+TRUNCATION = 0.75  # the most of its capital a gambler can lose on one image
 PRIOR_IMAGES = 10  # the stakes' prior (a mean difference of 0, the score's typical SD) weighs as this many images
 COARSE = 401  # candidate means across the bounds; the interval's ends are then found by bisection
 BISECTIONS = 30

@@ -52,15 +52,19 @@ def test_a_sequential_run_stops_once_sure_and_a_full_run_captions_the_rest(prefe
     captioned = caption_ids(seq["run_dir"])
     assert v["images_used"] <= len(captioned) < N and len(set(captioned)) == len(captioned)
     assert seq["counts"]["failed"] == 0 and seq["passes"][-1]["stopped"] is True
-    assert v["trajectory"][-1][0] == v["images_used"] and v["trajectory"][0][0] == 1
+    looks = [t[0] for t in v["trajectory"]]
+    assert looks[-1] == v["images_used"] and looks == sorted(set(looks)) and looks[0] >= 1
     html = Path(seq["report_html"]).read_text(encoding="utf-8")
+    assert v["decided_by"] == "sequence" and "expected CIDEr-D per image is below the baseline&#x27;s" in html
     assert "id='verdict'" in html and f"worse after {v['images_used']}" in html and "verdict-chart" in html
     # beside it, the fixed-sample paired bootstrap on the images captioned, against the same baseline
     boot = v["bootstrap"]
     assert boot["verdict"] == "worse" and boot["agrees"] and boot["n_images"] == len(captioned)
     assert "id='verdict-bootstrap'" in html and "as the sequential verdict (worse)" in html
     board = {r["run_dir"]: r for r in pq.read_table(tmp_path / "out" / "leaderboard.parquet").to_pylist()}
-    assert board[seq["run_dir"]]["verdict"].startswith(f"worse after {v['images_used']} of {N} images (alpha 0.05")
+    row = board[seq["run_dir"]]
+    assert row["verdict"].startswith(f"worse after {v['images_used']} of {N} images (CIDEr-D difference -")
+    assert row["partial"] is True and "alpha 0.05, margin 0.05" in row["verdict"]  # a prefix: no one's baseline
 
     # the same command again: the verdict is in from the committed captions, nothing more is captioned
     assert main([*run, str(tmp_path / "again.json"), "--verdict", "sequential"]) == 0
@@ -82,7 +86,8 @@ def test_a_sequential_run_stops_once_sure_and_a_full_run_captions_the_rest(prefe
     everything = caption_ids(full["run_dir"])
     assert full["run_dir"] == seq["run_dir"] and full["resumed_from"] == len(captioned)
     assert len(everything) == N and len(set(everything)) == N and set(captioned) <= set(everything)
-    assert "sequential" not in full["metrics"]
+    assert "sequential" not in full["metrics"] and not full["metrics"].get("partial")
+    assert board[full["run_dir"]]["partial"] is False  # every image captioned now: a baseline like any other
 
     # CLIPScore as the verdict's score, on the folder every image of which is captioned: the inference stage is not
     # taken from the cache (its baseline may have moved), nothing is captioned again, the verdict is in from the
@@ -100,16 +105,17 @@ def test_a_sequential_run_stops_once_sure_and_a_full_run_captions_the_rest(prefe
     # the pairwise judge's win as the verdict's score: the captions are all there, the judge (the built-in model)
     # judges the images in the verdict's order, both orders each, and stops once sure
     assert main([*run, str(tmp_path / "pair.json"), "--verdict", "sequential", "--verdict-score", "pairwise",
-                 "--pairwise-against", baseline, "--verdict-margin", "0.45"]) == 0  # fmt: skip
+                 "--pairwise-against", baseline, "--verdict-margin", "0.2"]) == 0  # fmt: skip
     pair = json.loads((tmp_path / "pair.json").read_text())
     p = pair["metrics"]["sequential"]
     # the random judge ties most pairs (its judgements follow positions, mostly): the shares sit at 0.5, so the
     # interval closes around an even split and, inside the declared margin, says so long before the set ends; the
-    # judgements it did not need are not made
+    # judgements it did not need are not made. A wide margin (0.2 on the win rate, docs/evaluation.md suggests
+    # 0.03-0.05), so that 64 images are enough to see it
     assert p["score"] == "pairwise win rate" and p["metric"] == "pairwise_score" and p["images_total"] == N
     assert p["decision"] != "continue" and p["images_used"] < N // 2
     if p["decision"] == "equivalent":
-        assert -0.45 <= p["lower"] <= p["upper"] <= 0.45
+        assert -0.2 <= p["lower"] <= p["upper"] <= 0.2
     judged = pair["metrics"]["pairwise"]
     assert p["images_used"] <= judged["judged"] < N and judged["failed"] == 0
     rows = judged_rows(judged["pairwise_dir"])
@@ -118,7 +124,7 @@ def test_a_sequential_run_stops_once_sure_and_a_full_run_captions_the_rest(prefe
     assert sorted(caption_ids(pair["run_dir"])) == sorted(everything)  # nothing captioned again
     board = {r["run_dir"]: r for r in pq.read_table(tmp_path / "out" / "leaderboard.parquet").to_pylist()}
     line = board[pair["run_dir"]]["verdict"]
-    assert line.startswith(f"{p['decision']} after {p['images_used']} of {N} images (alpha 0.05, pairwise win rate ")
+    assert line.startswith(f"{p['decision']} after {p['images_used']} of {N} images (pairwise win rate ")
     assert f"win rate {0.5 + p['mean_difference']:.3f}, interval [{0.5 + p['lower']:.3f}, " in line
 
     # a second checkpoint, the pairwise win as the verdict's score: its judge (the checkpoint itself, on CPU) judges
@@ -127,7 +133,7 @@ def test_a_sequential_run_stops_once_sure_and_a_full_run_captions_the_rest(prefe
     from captionflow.builtin.model import build_builtin_model
 
     ckpt2 = build_builtin_model(tmp_path / "ckpt-2", seed=1)
-    second = ["--model", str(ckpt2), "--pairwise-against", baseline, "--verdict-margin", "0.45", "--verdict-score"]
+    second = ["--model", str(ckpt2), "--pairwise-against", baseline, "--verdict-margin", "0.2", "--verdict-score"]
     assert main([*run, str(tmp_path / "pair2.json"), *second, "pairwise", "--verdict", "sequential"]) == 0
     pair2 = json.loads((tmp_path / "pair2.json").read_text())
     q = pair2["metrics"]["sequential"]

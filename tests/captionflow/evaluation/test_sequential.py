@@ -109,19 +109,19 @@ def test_minus_0_05_cider_is_called_worse_as_often_and_as_soon():
     assert (codes == BETTER).mean() <= _bound(ALPHA / 2, STREAMS)
 
 
-def test_plus_0_10_cider_is_always_called_better_within_about_1000_images():
-    """The issue asked for a median of 700: not reachable with CIDEr-D's bounds (an image's difference may be as
-    low as -10, which caps each stake at 0.05); 1,024 here (docs/evaluation.md)."""
+def test_plus_0_10_cider_is_always_called_better_within_about_800_images_at_the_median():
+    """The issue asked for a median of 700: a test told the effect in advance needs 704 only when it risks 99% of its
+    capital on an image's worst possible difference (-10); the stakes here risk at most 75% (docs/evaluation.md)."""
     codes, used, _ = verdicts("cider", 0.10, STREAMS, N, seed=8)
-    assert (codes == BETTER).mean() >= 0.999 and np.median(used) <= 1100
+    assert (codes == BETTER).mean() >= 0.999 and np.median(used) <= 832  # 13 looks
 
 
 def test_a_pairwise_win_rate_of_0_55_is_called_better_within_about_320_images():
-    """The issue asked for a median of 250: with a look every 64 images that is 192, below what the error rates
-    allow for this judge's spread; 320 here (docs/evaluation.md)."""
+    """The issue asked for a median of 250: with a look every 64 images that is 192, and a test told the effect in
+    advance needs 256 at these error rates for this judge's spread; 320 here (docs/evaluation.md)."""
     codes, used, _ = verdicts("pairwise", 0.05, STREAMS, N, seed=9)
     assert (codes == BETTER).mean() >= 0.99 and np.median(used) <= 320
-    assert (codes == WORSE).mean() == 0
+    assert (codes == WORSE).mean() <= _bound(ALPHA / 2, STREAMS)
 
 
 @pytest.mark.parametrize(("score", "effect", "margin"), [("cider", 0.0, 0.0), ("cider", 0.1, None),
