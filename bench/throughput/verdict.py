@@ -117,7 +117,8 @@ def _flow_timed(
     }
     seq = (s.get("metrics") or {}).get("sequential")
     if seq:  # the sequential verdict: what it decided, on how many images of the order's prefix
-        keep = ("decision", "images_used", "images_total", "alpha", "lower", "upper", "score", "against")
+        keep = ("decision", "decided_by", "images_used", "images_total", "alpha", "margin", "mean_difference",
+                "lower", "upper", "score", "against")  # fmt: skip
         res["sequential"] = {k: seq.get(k) for k in keep}
     if a.engine_stats:  # each engine's running and waiting requests, second by second, over the run
         res["engine_seconds"] = engine_seconds(t0, t1)
@@ -156,7 +157,7 @@ def _cold_pairwise(a, images: str, ckpt: str, kwargs: str, env: dict, root: str 
             continue
         extra = ["--verdict", mode, "--pairwise-against", baseline, "--warm-engines", "off"]
         if mode == "sequential":
-            extra += ["--verdict-score", "pairwise", "--verdict-margin", "0.45"]
+            extra += ["--verdict-score", "pairwise"]  # the win rate's default margin, 0.03
         out[mode] = _flow_timed(a, f"cold-pairwise-{mode}", images, ckpt, kwargs, env, folder, extra)
         summary = Path(a.work) / f"verdict-cold-pairwise-{mode}-summary.json"
         if "error" not in out[mode]:
@@ -169,19 +170,24 @@ def _teacher(a, images: str, env: dict, root: str):
     """The baseline of the sequential verdicts: the golden set's first references as external captions
     (``captionflow evaluate``) under the output root ``root``; its run folder, or the error (a dict)."""
     rows = [json.loads(x) for x in Path(images, "captions.jsonl").read_text().splitlines()]
-    teacher = Path(a.work) / "teacher.jsonl"
-    teacher.write_text(
-        "".join(json.dumps({"file_name": r["file_name"], "caption": r["captions"][0]}) + "\n" for r in rows)
-    )
-    summary = Path(a.work) / "verdict-teacher-summary.json"
-    cmd = [sys.executable, "-m", "flows.cli", "evaluate", str(teacher), "--name", "teacher", "--dataset", images]
+    return external_captions(a, images, [{"file_name": r["file_name"], "caption": r["captions"][0]} for r in rows],
+                             "teacher", root, env)  # fmt: skip
+
+
+def external_captions(a, images: str, rows: list[dict], name: str, root: str, env: dict):
+    """``rows`` (file name, caption) imported as external captions named ``name`` (``captionflow evaluate``) under
+    the output root ``root``; their run folder, or the error (a dict)."""
+    captions = Path(a.work) / f"{name}.jsonl"
+    captions.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = Path(a.work) / f"verdict-{name}-summary.json"
+    cmd = [sys.executable, "-m", "flows.cli", "evaluate", str(captions), "--name", name, "--dataset", images]
     cmd += ["--output", str(Path(a.work) / root), "--summary-json", str(summary)]
     cmd += ["--max-image-side", str(a.max_image_side)]  # the golden set as the runs preprocess it: the same dataset
-    log = Path(a.work) / "phase-verdict-teacher.log"
+    log = Path(a.work) / f"phase-verdict-{name}.log"
     with open(log, "w") as fh:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=a.phase_timeout)
     if proc.returncode != 0:
-        return {"error": f"teacher: exit {proc.returncode}", "log_tail": log.read_text(errors="replace")[-4000:]}
+        return {"error": f"{name}: exit {proc.returncode}", "log_tail": log.read_text(errors="replace")[-4000:]}
     return json.loads(summary.read_text())["run_dir"]
 
 
@@ -384,6 +390,11 @@ def _verdict(a: argparse.Namespace, sampler: GpuSampler, prefect_env: dict) -> d
     if "warm_pairwise" in todo:
         res["warm_pairwise"] = _warm_pairwise(a, images, ckpt_a, ckpt_b, kwargs, env, cc)
         (Path(a.work) / "verdict-partial.json").write_text(json.dumps(res, indent=2))
+    if "noise" in todo:
+        from bench.throughput.noise import noise
+
+        res["noise"] = noise(a, images, [ckpt_a, ckpt_b], kwargs, env, cc)
+        (Path(a.work) / "verdict-partial.json").write_text(json.dumps(res, indent=2))
     raw = {}
     if "raw" in todo:
         args = argparse.Namespace(
@@ -407,6 +418,7 @@ def _verdict(a: argparse.Namespace, sampler: GpuSampler, prefect_env: dict) -> d
         "cold_pairwise_captioned": {k: v.get("captioned") for k, v in (res.get("cold_pairwise") or {}).items()},
         "warm_pairwise_s": res.get("warm_pairwise", {}).get("leaderboard_row_after_s"),
         "warm_pairwise_captioned": res.get("warm_pairwise", {}).get("captioned"),
+        "noise": (res.get("noise") or {}).get("summary"),
         "raw_wall_s": raw.get("wall_s"),
         "exit_s": {k: res[k].get("verdict_s") for k in ("cold", "warm_cache", "warm_engines") if k in res},
     }
@@ -475,8 +487,8 @@ def _warm_pairwise(a, images: str, ckpt_a: str, ckpt_b: str, kwargs: str, env: d
     """The sequential verdict on the pairwise judge's win through warm engines: a service on checkpoint ``ckpt_a``
     that keeps the judge's engines too (``ckpt_a`` judges; half of each GPU's engines each), then a run of
     ``ckpt_b`` (swapped into the captioner's engines) against the teacher's captions, each caption judged as it is
-    made (``feed.WarmRows.then``) and the captioning stopped with the verdict ("equivalent" within the margin 0.45:
-    the stand-in's random judge ties most pairs, as in ``_cold_pairwise``)."""
+    made (``feed.WarmRows.then``) and the captioning stopped with the verdict ("equivalent" within the win rate's
+    default margin, 0.03: the stand-in's random judge ties most pairs, as in ``_cold_pairwise``)."""
     root = "out-verdict-wp"
     shutil.rmtree(Path(a.work) / root, ignore_errors=True)
     baseline = _teacher(a, images, env, root)
@@ -486,7 +498,7 @@ def _warm_pairwise(a, images: str, ckpt_a: str, ckpt_b: str, kwargs: str, env: d
     with _service(a, ckpt_a, kwargs, env, cc, "serve-pairwise", judge) as started:
         if isinstance(started, dict):
             return started
-        extra = [*judge, "--verdict", "sequential", "--verdict-score", "pairwise", "--verdict-margin", "0.45"]
+        extra = [*judge, "--verdict", "sequential", "--verdict-score", "pairwise"]  # the default margin, 0.03
         got = _flow_timed(a, "warm-pairwise", images, ckpt_b, kwargs, env, root, [*extra, "--warm-engines", "require"])
         return {"service_start_s": started, **got}
 
