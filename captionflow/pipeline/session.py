@@ -152,17 +152,24 @@ def local_num_cpus(cfg: RunConfig, preset: Preset, gpus: int) -> int:
     return local_ray_cpus(preset, engines, gpus=groups)
 
 
-REACH_TIMEOUT_S = 10.0
+REACH_TIMEOUT_S = 10.0  # for a TCP connection
+HANDSHAKE_TIMEOUT_S = 20.0  # for Ray's own answer once connected: the whole check stays within 30 s
 
 
-def check_reachable(address: str, from_env: bool = False, timeout_s: float = REACH_TIMEOUT_S) -> None:
-    """Raise ``ClusterUnreachable`` unless something accepts a TCP connection at ``address``'s host and port
-    within ``timeout_s``: before ``ray.init``, which waits many minutes on an address where nothing answers.
-    ``auto`` and ``local`` name no address to check."""
+def check_reachable(
+    address: str, from_env: bool = False, timeout_s: float = REACH_TIMEOUT_S, handshake_s: float = HANDSHAKE_TIMEOUT_S
+) -> None:
+    """Raise ``ClusterUnreachable`` unless a Ray cluster answers at ``address``, before ``ray.init``: that waits
+    10+ minutes on an address where nothing answers, or where something that is not Ray does (the dashboard's
+    port, a Ray Client port without ``ray://``, any other service, a head whose GCS hangs), and says nothing
+    meanwhile. First a TCP connection within ``timeout_s``; then, within ``handshake_s``, Ray's own answer: the
+    GCS's cluster id over gRPC (a ``ray://`` address: a gRPC server at all, the Ray Client's). The error says in
+    one line what did answer there. ``auto`` and ``local`` name no address to check."""
     import socket
 
     from captionflow.errors import ClusterUnreachable
 
+    client = address.startswith("ray://")
     target = address.removeprefix("ray://")
     if target in ("auto", "local") or ":" not in target:
         return
@@ -180,6 +187,46 @@ def check_reachable(address: str, from_env: bool = False, timeout_s: float = REA
         raise ClusterUnreachable(
             f"{where}: no Ray cluster reachable there ({why.lower()}); check the address, or that the head node is up"
         ) from None
+    answered = _ray_answers(target, client, handshake_s)
+    if answered:
+        raise ClusterUnreachable(f"{where}: not a Ray cluster there: {answered}")
+
+
+# The GCS's cheapest call: its cluster id (an empty request). A Ray GCS answers it (or refuses an unauthenticated
+# caller: still Ray's); a gRPC server of another service says the method is unknown.
+GCS_PROBE = "/ray.rpc.NodeInfoGcsService/GetClusterId"
+RAY_CLIENT_PROBE = "/ray.rpc.RayletDriver/ClusterInfo"
+
+
+def _ray_answers(target: str, client: bool, timeout_s: float) -> Optional[str]:
+    """None where Ray answers at ``target`` (host:port) within ``timeout_s``; else what did, in a few words."""
+    import grpc
+
+    channel = grpc.insecure_channel(target)
+    call = channel.unary_unary(
+        RAY_CLIENT_PROBE if client else GCS_PROBE, request_serializer=bytes, response_deserializer=bytes
+    )
+    try:
+        call(b"", timeout=timeout_s)
+        return None
+    except grpc.RpcError as e:
+        code, details = e.code(), e.details() or ""
+    finally:
+        channel.close()
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return None  # Ray's, with token authentication: ray.init brings the token
+    if client and code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return None  # a gRPC server that answered: the Ray Client server says what it wants in ray.init
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return (
+            "a gRPC server answered that is not Ray's GCS (a Ray Client server? then write ray://"
+            f"{target}; the GCS listens on the head's port 6379 by default)"
+        )
+    if "HTTP/2" in details or "http1" in details.lower():
+        return "an HTTP server answered (the Ray dashboard, on 8265? the GCS is on the head's port 6379 by default)"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"something accepted the connection but gave no Ray answer within {timeout_s:g} s (a hung head?)"
+    return f"something accepted the connection but did not speak Ray's protocol ({details.splitlines()[0][:120]})"
 
 
 def ray_session(cfg: RunConfig, pipelines: int = 1) -> RaySession:
