@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import types
 import typing
 from pathlib import Path
@@ -437,7 +438,19 @@ def _version() -> str:
         return "(not installed)"
 
 
+def _exit_on_term(signum, frame) -> None:
+    """SIGTERM (a scheduler's stop, ``timeout``) ends the command as an exit does: Prefect records the flow run
+    Crashed, then sends the signal again to the handler it found, this one, and the exit handlers run (the local
+    Ray's shutdown, Prefect's events and its temporary server). With the default handler the process died at
+    once, leaving the local Ray's agents running."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_term)
     # No network at run time: the temporary Prefect server's telemetry would try (and log an ERROR).
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # The temporary server Prefect starts without PREFECT_API_URL has 20 s to come up by default: not

@@ -18,6 +18,7 @@ cluster's come from Ray.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 from collections.abc import Iterator
@@ -283,5 +284,16 @@ def ray_session(cfg: RunConfig, pipelines: int = 1) -> RaySession:
         log_to_driver=True,
     )
     run_log.take_worker_output(replace_printing=True)
+    atexit.register(_shutdown_local_ray)
     _SESSION.append(RaySession(address=None, started_here=True))
     return _SESSION[0]
+
+
+def _shutdown_local_ray() -> None:
+    """At this process's exit, the local Ray it started goes with it: Ray's own exit handler left its
+    dashboard and runtime-env agents running, orphaned, after a run ended by SIGTERM (a scheduler's stop,
+    ``timeout``) or an error (Ray 2.60, as ``sys.exit`` after ``ray.init`` does)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

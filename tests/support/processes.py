@@ -51,3 +51,20 @@ def wait_engines_gone(since: float, timeout_s: float) -> None:
     while left := engine_processes(since):
         assert time.monotonic() < deadline, f"still running {timeout_s:.0f} s later: {left}"
         time.sleep(1)
+
+
+def marked_processes(name: str, value: str) -> list[str]:
+    """The processes that still run with ``name=value`` in their environment (a marker a test gave a command, which
+    every process it starts inherits: Ray's raylet, GCS and agents, engines)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        if p.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            if p.environ().get(name) == value:
+                found.append(f"{p.info['pid']} {' '.join(p.info['cmdline'] or [])[:80]}")
+        except psutil.Error:
+            continue
+    return found
