@@ -159,8 +159,9 @@ def notification_block_id(slug: str):
 def ensure_automations(block_id, deadline: str | None = None) -> dict[str, str]:
     """Create (or replace) the regression, run-failure, deadline and automation-failure automations; returns
     {name: id}. ``deadline``: the deployments' default deadline; as a duration it also gets a backstop, a proactive
-    automation that notifies when a captionflow flow run is not Completed that long after it started Running - for
-    runs that never report (killed, lost with their node), whose sla-at-risk event never comes."""
+    automation that notifies when a run that started with that deadline (``flows/watch.py``) reached no final state
+    within it - for runs that never report (killed, lost with their node), whose sla-at-risk event never comes. A
+    run that failed reached one: only the failure's alert."""
     from datetime import timedelta
 
     from prefect.automations import Automation
@@ -171,6 +172,7 @@ def ensure_automations(block_id, deadline: str | None = None) -> dict[str, str]:
     from captionflow.evaluation.regression import EVENT as REGRESSED
     from captionflow.pipeline.deadline import EVENT as AT_RISK
     from captionflow.pipeline.deadline import duration_s
+    from flows.watch import FINAL_STATES, watched_event
 
     def on(expect: set[str], resource: dict, related: dict | None = None) -> EventTrigger:
         """Fires on each event of ``expect`` whose resource matches ``resource`` (and a related one ``related``)."""
@@ -190,16 +192,17 @@ def ensure_automations(block_id, deadline: str | None = None) -> dict[str, str]:
         RUN_FAILED_AUTOMATION: (
             on(RUN_FAILED_EVENTS, {"prefect.resource.id": "prefect.flow-run.*"}, flows),
             "captionflow: {{ flow.name }} run {{ flow_run.name }} {{ flow_run.state.name }}",
-            "Flow run {{ flow_run.name }} of {{ deployment.name }} ended {{ flow_run.state.name }}: "
-            "{{ flow_run.state.message }}",
+            "Flow run {{ flow_run.name }} of {% if deployment and deployment.name %}the deployment "
+            "{{ deployment.name }}{% else %}{{ flow.name }} (no deployment){% endif %} ended "
+            "{{ flow_run.state.name }}: {{ flow_run.state.message }}",
         ),
         SLA_AUTOMATION: (
             on({AT_RISK}, {"prefect.resource.id": "captionflow.run.*"}),
             "captionflow: {{ event.resource.name }} is projected {{ event.payload.projected_late }} late",
             "{{ event.payload.model }}: deadline {{ event.payload.deadline }}, projected "
-            "{{ event.payload.projected_late }} late at {{ event.payload.rows_per_s }} rows/s with "
-            "{{ event.payload.rows_left }} rows left. "
-            "Run: {{ event.payload.run_dir }}",
+            "{{ event.payload.projected_late }} late{% if event.payload.rows_per_s %} at "
+            "{{ event.payload.rows_per_s }} rows/s with {{ event.payload.rows_left }} rows left. "
+            "Run: {{ event.payload.run_dir }}{% else %}: the deadline passed {{ event.payload.stage }}.{% endif %}",
         ),
         FAILED_AUTOMATION: (
             on({"prefect.automation.action.failed"}, {"prefect.resource.name": "captionflow: *"}),
@@ -207,23 +210,22 @@ def ensure_automations(block_id, deadline: str | None = None) -> dict[str, str]:
             "{{ event.resource.name }}: {{ event.payload.reason }}",
         ),
     }
-    within = duration_s(deadline) if deadline else None
-    if within:
+    watched = watched_event(deadline)
+    if watched:
         wanted[BACKSTOP_AUTOMATION] = (
             EventTrigger(
-                after={"prefect.flow-run.Running"},
-                expect={"prefect.flow-run.Completed"},
+                after={watched},
+                expect={f"prefect.flow-run.{state}" for state in FINAL_STATES},
                 for_each={"prefect.resource.id"},
                 match={"prefect.resource.id": "prefect.flow-run.*"},
-                match_related=flows,
                 posture=Posture.Proactive,
                 threshold=1,
-                within=timedelta(seconds=within),
+                within=timedelta(seconds=duration_s(deadline)),
             ),
             "captionflow: run {{ flow_run.name }} is not Completed by its deadline",
-            f"Flow run {{{{ flow_run.name }}}} of {{{{ flow.name }}}} has been running for {deadline} (the "
-            "deployments' deadline) without reaching Completed: it is late, or its process is gone. "
-            "It is {{ flow_run.state.name }} now.",
+            f"Flow run {{{{ flow_run.name }}}} of {{{{ flow.name }}}} started {deadline} ago with the deployments' "
+            "deadline and has not ended: it is late, or its process is gone. Its state in Prefect now: "
+            "{{ flow_run.state.name }}.",
         )
     ids = {}
     with get_client(sync_client=True) as client:

@@ -17,6 +17,7 @@ from prefect.utilities.annotations import opaque
 from captionflow.config import RunConfig
 from captionflow.pipeline import deadline
 from captionflow.results import RunSummary
+from flows import watch
 from flows.parameters import with_config_parameters
 from tasks.clip import clip_task
 from tasks.evaluate import evaluate_task
@@ -30,11 +31,12 @@ from tasks.publish import publish_task
 from tasks.results import stage_results
 
 
-@flow(name="captionflow", persist_result=True)
+@flow(name="captionflow", persist_result=True, **watch.HOOKS)
 @with_config_parameters()
 def caption_flow(config: RunConfig) -> dict:
     """Caption a dataset with a VLM checkpoint and score the captions. Returns the run summary.
     Its parameters are RunConfig's fields (flows/parameters.py)."""
+    watch.announce(config)  # the deadline, from the run's start (the at-risk event, the backstop's watch)
     results = stage_results(config.output)  # its storage is saved while preflight runs
     checked = preflight_task(config)
     with results as stages:

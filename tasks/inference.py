@@ -128,8 +128,8 @@ class ProgressArtifact:
             slack = self.deadline.slack_s(eta)
             line += f"; deadline {self.deadline.at:%Y-%m-%d %H:%M:%S} UTC: {self.deadline.line(slack)}"
             if self.deadline.at_risk(slack) and not self.at_risk_sent and self._at_risk is not None:
-                self.at_risk_sent = late = True
-                self._at_risk(slack, eta, rate, total - seen)
+                self.at_risk_sent = True
+                late = self._at_risk(slack, eta, rate, total - seen)
         update_progress_artifact(artifact_id=self.id, progress=pct, description=line)
         now = time.monotonic()
         if late:
@@ -179,19 +179,31 @@ class ProgressArtifact:
                 )
 
 
-def emit_at_risk(cfg: RunConfig, run_dir: str, deadline, slack_s: float, eta_s: float, rate: float, left: int) -> None:
-    """The Prefect event ``captionflow.run.sla-at-risk`` of this flow run: the projection and the rate."""
+_AT_RISK_SENT: set[str] = set()  # the flow runs (of this process) whose sla-at-risk event is out: once a run
+
+
+def emit_at_risk(
+    cfg: RunConfig, run_dir: str, deadline, slack_s: float, eta_s: float, rate: float, left: Optional[int],
+    stage: str = "inference",
+) -> bool:  # fmt: skip
+    """The Prefect event ``captionflow.run.sla-at-risk`` of this flow run, once a run (False: it was out already):
+    the projection and the rate, or (``stage`` before the captions: no rate yet) how late it is already."""
     from prefect.events import emit_event
 
+    run_id = str(flow_run.id or "local")
+    if run_id in _AT_RISK_SENT:
+        return False
+    _AT_RISK_SENT.add(run_id)
     emit_event(
         event=DEADLINE_EVENT,
         resource={
-            "prefect.resource.id": f"captionflow.run.{flow_run.id or 'local'}",
+            "prefect.resource.id": f"captionflow.run.{run_id}",
             "prefect.resource.name": flow_run.name or cfg.model,
         },
         payload={
             "model": cfg.model,
             "run_dir": run_dir,
+            "stage": stage,
             "deadline": deadline.at.isoformat(),
             "projected_late_s": round(-slack_s, 1),
             "projected_late": human(slack_s),
@@ -200,6 +212,7 @@ def emit_at_risk(cfg: RunConfig, run_dir: str, deadline, slack_s: float, eta_s: 
             "rows_left": left,
         },
     )
+    return True
 
 
 def release_early_hold(task, task_run, state) -> None:

@@ -1,8 +1,9 @@
 """A run's deadline through a real Prefect API, Ray Data and vLLM on CPU: a run that cannot make it says so once,
 while there is still time (the sla-at-risk event), and the automations `captionflow deploy --notify-block` installs
-deliver it through a real webhook block. Beside it, a run killed with kill -9 soon after it starts never reports
-again, and the backstop automation says so when the deployments' deadline passes. A run that can make its deadline
-is checked in tests/e2e/test_sequential_verdict.py (its summary's margin, no event)."""
+deliver it through a real webhook block. Beside it, a run with the deployments' deadline killed with kill -9 soon
+after it starts never reports again, and the backstop automation says so, once, when that deadline passes; a run
+with the same deadline that failed gets one alert, its failure's, and none from the backstop. A run that can make
+its deadline is checked in tests/e2e/test_sequential_verdict.py (its summary's margin, no event)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,13 @@ def _events(client, deadline_iso: str) -> list[dict]:
     return [e for e in found if e["payload"].get("deadline") == deadline_iso]
 
 
-BACKSTOP_S = 60  # the deployments' deadline: the backstop fires this long after a run starts Running
+BACKSTOP_S = 60  # the deployments' deadline: the backstop fires this long after a run with it starts
+
+
+def _watched(client, run_name: str) -> list[dict]:
+    body = {"filter": {"event": {"prefix": ["captionflow.run.watched."]}}, "limit": 50}
+    found = client.request("POST", "/events/filter", json=body).json()["events"]
+    return [e for e in found if e["resource"].get("prefect.resource.name") == run_name]
 
 
 class _Hook(http.server.BaseHTTPRequestHandler):
@@ -87,17 +94,32 @@ def test_a_run_projected_past_its_deadline_emits_sla_at_risk_once_and_the_backst
     started = time.time()
     out = open(log, "w")  # noqa: SIM115 - the run's output, read as it grows
     run = subprocess.Popen([*CLI, *args], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    # the other run: killed with kill -9 once Running, before the backstop's deadline
+    # the other run: the deployments' deadline, killed with kill -9 once Running, before that deadline
     killed_log = tmp_path / "killed.log"
     other = ["run", "--device", "cpu", "--dataset", str(data), "--output", str(tmp_path / "other"), "--no-judge"]
+    other += ["--deadline", f"{BACKSTOP_S}s"]
     with open(killed_log, "w") as sink:
         killed = subprocess.Popen(
             [*CLI, *other], env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    # a third: the same deadline, a dataset none of whose inputs is an image: it fails within seconds
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "a.jpg").write_text("not an image")
+    failed_log = tmp_path / "failed.log"
+    failing = ["run", "--device", "cpu", "--dataset", str(bad), "--output", str(tmp_path / "failed")]
+    with open(failed_log, "w") as sink:
+        failed = subprocess.Popen(
+            [*CLI, *failing, "--deadline", f"{BACKSTOP_S}s"], env=env, stdout=sink, stderr=subprocess.STDOUT
         )
     try:
         while not (name := re.search(r"Beginning flow run '([^']+)'", killed_log.read_text())):
             assert killed.poll() is None and time.time() < started + BACKSTOP_S / 2, killed_log.read_text()[-3000:]
             time.sleep(0.5)
+        with get_client(sync_client=True) as client:  # it says it is watched (flows/watch.py) as it starts
+            while not _watched(client, name.group(1)):
+                assert killed.poll() is None and time.time() < started + BACKSTOP_S / 2, killed_log.read_text()[-3000:]
+                time.sleep(0.5)
         os.killpg(killed.pid, signal.SIGKILL)
         killed.wait(timeout=60)
         killed_after_s = time.time() - started
@@ -116,8 +138,13 @@ def test_a_run_projected_past_its_deadline_emits_sla_at_risk_once_and_the_backst
         said = _delivered("is projected", 60, log.read_text)
         assert killed_after_s < BACKSTOP_S  # the other run was killed before the backstop's deadline ...
         backstop = _delivered(f"run {name.group(1)} is not Completed by its deadline", 60, killed_log.read_text)
+        assert failed.wait(timeout=60) == 2  # bad input: exit status 2
+        failed_name = re.search(r"Flow run '([^']+)' - Finished in state Failed", failed_log.read_text()).group(1)
+        failure = _delivered(f"run {failed_name} Failed", 30, failed_log.read_text)
+        time.sleep(max(0.0, started + BACKSTOP_S + 20 - time.time()))  # its backstop window too has passed
+        about_failed = [t for t in _Hook.got if failed_name in t]
     finally:
-        for proc in (run, killed):
+        for proc in (run, killed, failed):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=60)
@@ -125,7 +152,10 @@ def test_a_run_projected_past_its_deadline_emits_sla_at_risk_once_and_the_backst
         with get_client(sync_client=True) as client:  # none of them fires for the other tests' runs
             for automation_id in automations.values():
                 client.delete_automation(automation_id)
-    assert "Running now" in backstop  # ... and it is still Running in Prefect: the backstop is what says so
+    assert "Its state in Prefect now: Running." in backstop  # ... still Running there: the backstop is what says so
+    assert [t for t in _Hook.got if f"run {name.group(1)} is not Completed" in t] == [backstop]  # once
+    assert about_failed == [failure], about_failed  # the failed run: its failure's alert alone
+    assert "(no deployment) ended Failed: " in failure and "of  ended" not in failure
     assert f"deadline {due.isoformat()}, projected" in said and "rows left" in said, said
     assert len(found) == 1, found
     event = found[0]
@@ -134,3 +164,29 @@ def test_a_run_projected_past_its_deadline_emits_sla_at_risk_once_and_the_backst
     assert p["projected_late_s"] > 0 and p["rows_left"] > 0 and p["rows_per_s"] > 0 and "late" not in p["model"]
     assert event["resource"]["prefect.resource.id"].startswith("captionflow.run.")
     assert "projected" in log.read_text() and EVENT in log.read_text()  # the log line says so too
+
+
+def test_a_run_whose_deadline_passed_before_its_first_caption_is_warned_then(prefect_api, tmp_path):
+    """The projection needs captions; a deadline that passes in preflight, preprocess or while the engines start is
+    warned as it passes, not minutes later once captions arrive. Once a run: the captioning's projection does not
+    say it again."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    due = datetime.now(UTC) - timedelta(seconds=30)  # already past when the run starts
+    args = ["run", "--device", "cpu", "--output", str(tmp_path / "out"), "--deadline", due.isoformat()]
+    args += ["--deadline-margin-s", "0", "--warm-engines", "off"]
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    done = subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary_log = done.stdout + done.stderr
+    with get_client(sync_client=True) as client:
+        found = _events(client, due.isoformat())
+        name = re.search(r"Beginning flow run '([^']+)'", summary_log).group(1)
+        run = next(r for r in client.read_flow_runs(limit=200) if r.name == name)
+    assert len(found) == 1, found
+    event = found[0]
+    assert event["payload"]["stage"] == "before its captions" and event["payload"]["rows_left"] is None
+    occurred = datetime.fromisoformat(event["occurred"].replace("Z", "+00:00"))
+    assert (occurred - run.start_time).total_seconds() < 15, (occurred, run.start_time)  # within a few seconds
+    assert "MISSED by" in summary_log
