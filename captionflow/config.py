@@ -12,6 +12,12 @@ DEFAULT_PROMPT = "Describe this image in one sentence."
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant that writes short, factual image captions."
 
 
+# a duration (8h, 90m, 1h30m, 45s, 2d) or an ISO 8601 time: what pipeline/deadline.parse takes
+_DURATION = r"\s*(\d+(\.\d+)?\s*[dD])?\s*(\d+(\.\d+)?\s*[hH])?\s*(\d+(\.\d+)?\s*[mM])?\s*(\d+(\.\d+)?\s*[sS])?\s*"
+_TIME = r"\s*\d{4}-\d{2}-\d{2}([T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?)?\s*(Z|[+-]\d{2}(:?\d{2})?)?\s*"
+DEADLINE_PATTERN = f"^({_DURATION}|{_TIME})$"
+
+
 class RunConfig(BaseModel):
     """Everything one captionflow run needs. Unset engine fields are filled by the device preset."""
 
@@ -300,6 +306,8 @@ class RunConfig(BaseModel):
     )
     deadline: Optional[str] = Field(
         None,
+        # in the form's schema too, so that the server refuses a deadline that is neither before the run starts
+        pattern=DEADLINE_PATTERN,
         title="Deadline",
         description="When the run is due: a duration from its start (8h, 90m, 1h30m, 45s, 2d) or a time "
         "(2026-11-29T06:00:00+00:00; no zone: UTC). The progress artifact and the log compare the projected "
@@ -348,10 +356,10 @@ class RunConfig(BaseModel):
         """vLLM draws random weights (``engine_kwargs.load_format == "dummy"``): no weight files needed."""
         return self.engine_kwargs.get("load_format") == "dummy"
 
-    @field_validator("deadline")
+    @field_validator("deadline", mode="before")  # before the pattern: this says what is accepted
     @classmethod
     def _deadline_parses(cls, v: Optional[str]) -> Optional[str]:
-        if v:
+        if v and isinstance(v, str):
             from datetime import UTC, datetime
 
             from captionflow.pipeline.deadline import parse

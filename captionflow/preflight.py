@@ -139,9 +139,14 @@ def check_output(output: str) -> None:
     read-only or full disk are found here, not after the images were decoded."""
     try:
         store = Store(output)
+        # the folders the probe makes: a command that writes nothing there (captionflow serve) leaves none behind
+        root = Path(store.path())
+        made = [p for p in (root, *root.parents) if not p.exists()] if store.is_local else []
         name = f".captionflow-probe-{uuid.uuid4().hex}"
         store.write_bytes(b"probe", name)
         store.remove(name)
+        for folder in made:  # the deepest first
+            folder.rmdir()
     except Exception as e:
         raise OutputError(f"output {output!r} cannot be written: {type(e).__name__}: {str(e)[:300]}") from None
 

@@ -185,9 +185,10 @@ def ensure_automations(block_id, deadline: str | None = None) -> dict[str, str]:
         REGRESSED_AUTOMATION: (
             on({REGRESSED}, {"prefect.resource.id": "captionflow.checkpoint.*"}),
             "captionflow: {{ event.payload.model }} regressed",
-            "{{ event.payload.metric }} {{ event.payload.value }} is below the best comparable run's "
-            "{{ event.payload.best_value }} ({{ event.payload.best_model }}) by {{ event.payload.relative_drop }} "
-            "(threshold {{ event.payload.threshold }}). Run: {{ event.payload.run_dir }}",
+            "{{ event.payload.metric }} {{ event.payload.value | round(4) }} is below the best comparable run's "
+            "{{ event.payload.best_value | round(4) }} ({{ event.payload.best_model }}) by "
+            "{{ (100 * event.payload.relative_drop) | round(1) }}% (threshold "
+            "{{ (100 * event.payload.threshold) | round(1) }}%). Run: {{ event.payload.run_dir }}",
         ),
         RUN_FAILED_AUTOMATION: (
             on(RUN_FAILED_EVENTS, {"prefect.resource.id": "prefect.flow-run.*"}, flows),

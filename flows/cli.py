@@ -60,11 +60,11 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def _summary_text(s: dict) -> str:
+def _summary_text(s: dict, command: str = "run") -> str:
     c, m, t = s["counts"], s["metrics"], s["timings_s"]
     ref = m.get("reference") or {}
     lines = [
-        "captionflow run finished",
+        f"captionflow {command} finished",
         f"  dataset   {s['dataset_dir']}" + ("  (preprocessed earlier: reused)" if s.get("preprocess_skipped") else ""),
         f"  run       {s['run_dir']}",
         f"  images    {c['total']} listed: {c['accepted']} accepted, {c['quarantined']} quarantined, "
@@ -206,12 +206,29 @@ def cmd_compare(args: argparse.Namespace) -> int:
             f"{row['model'][-40:]:40}"
             + "".join(f"{row[k]:>12.4f}" if row.get(k) is not None else f"{'':>12}" for k in keys)
         )
-    for model, run in zip(args.models, result.get("runs") or []):  # where to look: each checkpoint's report
+    for model, run in zip(args.models, result.get("runs") or []):  # each checkpoint's answer, and where to look
         print(f"report  {model}: {run.get('report_html') or run['report']}")
+        if said := _compared_line(run.get("metrics") or {}):
+            print(f"        {said}")
     if args.summary_json:
         with open(args.summary_json, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=2, sort_keys=True, default=str)
     return 0
+
+
+def _compared_line(metrics: dict) -> str:
+    """A checkpoint's answer in a compare: its sequential verdict, else the paired bootstrap of CIDEr-D against the
+    previous comparable run; '' for the first."""
+    if metrics.get("sequential"):
+        return f"verdict {verdict_line(metrics['sequential'])}"
+    previous = (metrics.get("comparison") or {}).get("previous") or {}
+    sig = (previous.get("significance") or {}).get("cider")
+    if not sig:
+        return ""
+    return (
+        f"vs {previous['model']}: CIDEr-D {sig['delta']:+.4f}, 95% [{sig['ci_low']:+.4f}, {sig['ci_high']:+.4f}], "
+        f"{sig['verdict']} (paired bootstrap on {sig['n_images']:,} images)"
+    )
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -220,7 +237,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     cfg = _config(args)
     _check_inputs(cfg, models=[])  # the captions were made elsewhere: no model to check
     summary = _run_flow(evaluate_captions, **flow_parameters(cfg), captions=args.captions, name=args.name)
-    print(_summary_text(summary))
+    print(_summary_text(summary, "evaluate"))
     if args.summary_json:
         with open(args.summary_json, "w", encoding="utf-8") as fh:
             json.dump(summary, fh, indent=2, sort_keys=True, default=str)

@@ -45,6 +45,18 @@ def test_an_output_that_cannot_be_written(builtin_model_dir, tmp_path, s3_server
         _fast(preflight, RunConfig(output="s3://no-such-bucket-cf/out"))
 
 
+def test_the_output_check_leaves_no_folder_it_made_and_keeps_one_that_was_there(tmp_path):
+    """``captionflow serve`` writes no outputs: its check of the default output root left an empty
+    ./captionflow-out behind."""
+    from captionflow.preflight import check_output
+
+    check_output(str(tmp_path / "new" / "out"))
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "there").mkdir()
+    check_output(str(tmp_path / "there"))
+    assert (tmp_path / "there").is_dir() and not list((tmp_path / "there").iterdir())
+
+
 def test_missing_dataset(builtin_model_dir, tmp_path, no_ray):
     with pytest.raises(DatasetError, match="does not exist"):
         _fast(preflight, RunConfig(output=str(tmp_path), dataset=str(tmp_path / "nope")))

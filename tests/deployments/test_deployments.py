@@ -54,6 +54,14 @@ def test_deploy_creates_schedule_trigger_and_typed_form(prefect_api, tmp_path):
         for bad in ({"max_tokens": 0}, {"top_p": 0}, {"seed": -1}, {"no_such_field": 1}):
             with pytest.raises(Exception, match="Validation failed|validation"):
                 client.create_flow_run_from_deployment(nightly.id, parameters={"generation": bad})
+        # a deadline that is neither a duration nor a time is refused by the server, not 1.5 s into the run
+        assert "pattern" in str(fields["deadline"])
+        for bad in ("8 hours", "tomorrow 6am"):
+            with pytest.raises(Exception, match="Validation failed|validation"):
+                client.create_flow_run_from_deployment(nightly.id, parameters={"reliability": {"deadline": bad}})
+        for good in ("8h", "2026-11-29T06:00:00+00:00"):
+            run = client.create_flow_run_from_deployment(nightly.id, parameters={"reliability": {"deadline": good}})
+            client.delete_flow_run(run.id)
         on_ckpt = client.read_deployment(ids["on-checkpoint"])
         automations = client.read_resource_related_automations(f"prefect.deployment.{on_ckpt.id}")
         assert len(automations) == 1
@@ -228,6 +236,7 @@ def test_deploy_installs_the_regression_and_failure_automations(prefect_api, tmp
         SLA_AUTOMATION,
         deploy,
     )
+    from flows.watch import FINAL_STATES
 
     base = RunConfig(output=str(tmp_path / "out"), dataset="demo", deadline="8h")
     pool = f"pool-{uuid.uuid4().hex[:6]}"
@@ -245,7 +254,7 @@ def test_deploy_installs_the_regression_and_failure_automations(prefect_api, tmp
             (RUN_FAILED_AUTOMATION, RUN_FAILED_EVENTS),
             (FAILED_AUTOMATION, {"prefect.automation.action.failed"}),
             (SLA_AUTOMATION, {"captionflow.run.sla-at-risk"}),
-            (BACKSTOP_AUTOMATION, {"prefect.flow-run.Completed"}),
+            (BACKSTOP_AUTOMATION, {f"prefect.flow-run.{state}" for state in FINAL_STATES}),
         ):
             autos = client.read_automations_by_name(auto_name)
             assert len(autos) == 1 and str(autos[0].id) == ids[auto_name]
@@ -253,9 +262,10 @@ def test_deploy_installs_the_regression_and_failure_automations(prefect_api, tmp
             assert autos[0].actions[0].type == "send-notification"
             assert autos[0].actions[0].block_document_id == block_id
         backstop = client.read_automations_by_name(BACKSTOP_AUTOMATION)[0].trigger
-        # proactive: fires when a run that started Running is not Completed 8 h later (killed runs never report)
-        assert backstop.posture == "Proactive" and backstop.after == {"prefect.flow-run.Running"}
-        assert backstop.within.total_seconds() == 8 * 3600
+        # proactive: fires when a run that started with the deployments' 8 h deadline reached no final state 8 h
+        # later (killed runs never report); a failed run did (flows/watch.py)
+        assert backstop.posture == "Proactive" and backstop.after == {"captionflow.run.watched.28800"}
+        assert backstop.within.total_seconds() == 8 * 3600 and backstop.for_each == {"prefect.resource.id"}
         dep = client.read_deployment(ids["golden-nightly"])
         assert dep.concurrency_options is not None and dep.concurrency_options.collision_strategy == "ENQUEUE"
         # the run-failure trigger covers the event the server emits when a captionflow run fails (it was not

@@ -198,6 +198,10 @@ def test_second_checkpoint_compared_on_leaderboard(demo_run, tmp_path_factory, c
     for v in sig.values():
         assert v["n_images"] == s["counts"]["captioned"] and v["ci_low"] <= v["delta"] <= v["ci_high"]
         assert v["verdict"] in ("better", "worse", "no detectable difference")
+    # the command says each checkpoint's answer beside its report: the second's against the first
+    n = s["counts"]["captioned"]
+    said = f"vs builtin: CIDEr-D {sig['cider']['delta']:+.4f}, 95% [{sig['cider']['ci_low']:+.4f}, "
+    assert said in printed and f"{sig['cider']['verdict']} (paired bootstrap on {n:,} images)" in printed, printed
     assert sig["cider"]["delta"] == pytest.approx(comp["previous"]["cider"])  # every image paired: the same delta
     assert "Is the difference real? Against the previous run" in report
     assert first["metrics"]["pairwise"]["baseline_model"] == ""  # nothing earlier to judge against: said so
