@@ -31,24 +31,26 @@ from tasks.publish import publish_task
 from tasks.results import stage_results
 
 
-@flow(name="captionflow", persist_result=True, **watch.HOOKS)
+@flow(name="captionflow", persist_result=True)
 @with_config_parameters()
 def caption_flow(config: RunConfig) -> dict:
     """Caption a dataset with a VLM checkpoint and score the captions. Returns the run summary.
     Its parameters are RunConfig's fields (flows/parameters.py)."""
-    watch.announce(config)  # the deadline, from the run's start (the at-risk event, the backstop's watch)
-    results = stage_results(config.output)  # its storage is saved while preflight runs
-    checked = preflight_task(config)
-    with results as stages:
-        ing = ingest_task(config)
-        manifest = preprocess_task(opaque(ing), config)  # opaque: the listing is not walked entry by entry
-        captions = inference_task(config, manifest, checked)
-        judged = judge_task(config, manifest, captions, checked) if config.judge else None
-        paired = pairwise_task(config, manifest, captions, checked) if config.pairwise_against else None
-        clipped = clip_task(config, manifest, captions, checked) if config.clip_model else None
-        scored = evaluate_task(config, manifest, captions, judged, paired, clipped)
-    summary = RunSummary.build(ing, manifest, captions, scored, stages.records, stages.elapsed(), runtime.flow_run.id)
-    due = deadline.for_run(config.deadline, config.deadline_margin_s, runtime.flow_run.scheduled_start_time)
-    summary.deadline = due.outcome() if due else None
-    summary.regression = publish_task(config, summary.to_dict())
+    with watch.watching(config):  # the deadline, from the run's start (the at-risk event, the backstop's watch)
+        results = stage_results(config.output)  # its storage is saved while preflight runs
+        checked = preflight_task(config)
+        with results as stages:
+            ing = ingest_task(config)
+            manifest = preprocess_task(opaque(ing), config)  # opaque: the listing is not walked entry by entry
+            captions = inference_task(config, manifest, checked)
+            judged = judge_task(config, manifest, captions, checked) if config.judge else None
+            paired = pairwise_task(config, manifest, captions, checked) if config.pairwise_against else None
+            clipped = clip_task(config, manifest, captions, checked) if config.clip_model else None
+            scored = evaluate_task(config, manifest, captions, judged, paired, clipped)
+        summary = RunSummary.build(
+            ing, manifest, captions, scored, stages.records, stages.elapsed(), runtime.flow_run.id
+        )
+        due = deadline.for_run(config.deadline, config.deadline_margin_s, runtime.flow_run.scheduled_start_time)
+        summary.deadline = due.outcome() if due else None
+        summary.regression = publish_task(config, summary.to_dict())
     return summary.to_dict()

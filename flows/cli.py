@@ -177,7 +177,34 @@ def _check_inputs(cfg: RunConfig, models: list[str] | None = None) -> None:
 def _run_flow(fn, **kwargs):
     """A flow, after its inputs were checked (``_check_inputs``): with its temporary Prefect server guarded."""
     _own_temporary_server()
+    _one_line_errors()
     return _flow_call(fn, **kwargs)
+
+
+class _NoOwnTraceback:
+    """A filter of Prefect's console handler: a record carrying one of captionflow's own errors (a CaptionflowError:
+    a message that says what and where) is left out there - the command prints the message as its one line - and
+    kept in the flow run's logs in the UI (their handler is the flow and task run loggers', ahead of this one)."""
+
+    def filter(self, record) -> bool:
+        from captionflow.errors import CaptionflowError
+
+        return not (record.exc_info and isinstance(record.exc_info[1], CaptionflowError))
+
+
+def _one_line_errors() -> None:
+    """An error of captionflow's raised in a flow printed Prefect's traceback (94-188 lines) before its one line."""
+    import logging
+
+    from prefect.logging.configuration import setup_logging
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    setup_logging()  # once: later setups are incremental and keep the handlers (and this filter)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler) and not any(
+            isinstance(f, _NoOwnTraceback) for f in handler.filters
+        ):
+            handler.addFilter(_NoOwnTraceback())
 
 
 def cmd_run(args: argparse.Namespace) -> int:

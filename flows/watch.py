@@ -14,6 +14,9 @@ is not the backstop's.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Optional
 
 from captionflow.pipeline.deadline import duration_s
@@ -23,8 +26,6 @@ FINAL_STATES = ("Completed", "Failed", "Crashed", "Cancelled", "TimedOut")
 
 OVERDUE_EVERY_S = 5.0
 
-_overdue: dict[str, object] = {}  # flow run id -> its overdue check's stop (a threading.Event)
-
 
 def watched_event(deadline: Optional[str]) -> Optional[str]:
     """The event a run with ``deadline`` sends when it starts: ``captionflow.run.watched.28800`` for ``8h``; None
@@ -33,16 +34,18 @@ def watched_event(deadline: Optional[str]) -> Optional[str]:
     return f"{WATCHED}.{int(round(seconds))}" if seconds else None
 
 
-def announce(config) -> None:
-    """At the flow's start: a run whose deadline is a duration says it is watched, and a run with a deadline checks
-    until it ends whether the deadline passed before its captions could project anything."""
+@contextlib.contextmanager
+def watching(config) -> Iterator[None]:
+    """Around the flow's body: a run whose deadline is a duration says it is watched, and a run with a deadline
+    checks, until its body ends, whether the deadline passed before its captions could project anything."""
     from prefect import runtime
 
     deadline = config.deadline
     run_id = runtime.flow_run.id
     if not (deadline and run_id):
+        yield
         return
-    _watch_overdue(config, str(run_id))
+    stop = _watch_overdue(config)
     event = watched_event(deadline)
     if event:
         from prefect.events import emit_event
@@ -51,13 +54,16 @@ def announce(config) -> None:
         resource = {"prefect.resource.id": f"prefect.flow-run.{run_id}", "prefect.resource.name": runtime.flow_run.name}
         emit_event(event=event, resource=resource, payload={"deadline": deadline})
         EventsWorker.drain_all()  # out before the run goes on: a run killed later is still watched
+    try:
+        yield
+    finally:
+        stop.set()
 
 
-def _watch_overdue(config, run_id: str) -> None:
+def _watch_overdue(config) -> threading.Event:
     """A thread that emits the sla-at-risk event (``tasks.inference.emit_at_risk``, once a run) as soon as the
-    deadline is more than its margin past, until the run ends."""
+    deadline is more than its margin past, until the returned event is set."""
     import contextvars
-    import threading
 
     from prefect import runtime
 
@@ -65,7 +71,7 @@ def _watch_overdue(config, run_id: str) -> None:
     from tasks.inference import emit_at_risk
 
     due = for_run(config.deadline, config.deadline_margin_s, runtime.flow_run.scheduled_start_time)
-    stop = _overdue[run_id] = threading.Event()
+    stop = threading.Event()
 
     def check() -> None:
         while not stop.wait(OVERDUE_EVERY_S):
@@ -76,13 +82,4 @@ def _watch_overdue(config, run_id: str) -> None:
 
     threading.Thread(target=contextvars.copy_context().run, args=(check,), name="captionflow-overdue",
                      daemon=True).start()  # fmt: skip
-
-
-def ended(flow, flow_run, state) -> None:
-    """A flow hook (completion, failure, crash, cancellation): the run's overdue check stops."""
-    stop = _overdue.pop(str(flow_run.id), None)
-    if stop is not None:
-        stop.set()
-
-
-HOOKS = {"on_completion": [ended], "on_failure": [ended], "on_crashed": [ended], "on_cancellation": [ended]}
+    return stop

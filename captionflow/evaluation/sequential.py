@@ -15,8 +15,9 @@ checkpoints have mu = 0 however their captions happen to fall on these images.
 
 **How**, alpha split in two (``FINAL_SHARE``):
 
-1. While the captions come (1 - FINAL_SHARE of alpha), in a seeded uniformly random order (so that the order's prefix is a random sample of
-   the set, and so of the images it stands for), a confidence sequence for mu by betting (Waudby-Smith & Ramdas,
+1. While the captions come (1 - FINAL_SHARE of alpha), in a seeded uniformly random order (so that the order's
+   prefix is a random sample of the set, and so of the images it stands for), a confidence sequence for mu by
+   betting (Waudby-Smith & Ramdas,
    "Estimating means of bounded random variables by betting", JRSSB 2024, the with-replacement form): for each
    candidate mean m, one gambler bets that the next difference is above m and one that it is below, each with
    predictable stakes; if m were the truth, neither's capital reaches 2/alpha_s with probability above alpha_s/2,

@@ -79,9 +79,7 @@ def test_a_chain_of_six_runs_against_previous_keeps_the_whole_population_and_the
         rng = np.random.default_rng(chain)
         z = rng.standard_normal(n)
         ids = [f"img-{k:05d}" for k in range(n)]
-        scores = [
-            dict(zip(ids, _cider(np.sqrt(0.6) * z + np.sqrt(0.4) * rng.standard_normal(n) + t))) for t in thetas
-        ]
+        scores = [dict(zip(ids, _cider(np.sqrt(0.6) * z + np.sqrt(0.4) * rng.standard_normal(n) + t))) for t in thetas]
         captioned = {}  # each checkpoint's captioned images: a run stopped early, its order's prefix
         for k in range(steps):
             run = ("runs", "ds", f"fp-ckpt-{k}", "g")
@@ -90,8 +88,8 @@ def test_a_chain_of_six_runs_against_previous_keeps_the_whole_population_and_the
             if base is not None:
                 b = int(base["model"].split("-")[1])
                 order = baseline_order(run, base, captioned[b])  # the images the baseline captioned
-                verdict = baseline_verdict(cfg, base, order, lambda m, k=k, b=b: {i: m[i] - scores[b][i] for i in m},
-                                           _score())  # fmt: skip
+                theirs = scores[b]
+                verdict = baseline_verdict(cfg, base, order, lambda m, t=theirs: {i: m[i] - t[i] for i in m}, _score())
                 for start in range(0, n, 64):
                     if verdict.observe({i: scores[k][i] for i in order[start : start + 64]}):
                         break
