@@ -33,6 +33,15 @@ class RunConfig(BaseModel):
         title="Output root",
         description="Storage root for datasets/, runs/ and the leaderboard: a local path or any fsspec URI.",
     )
+    report_url: Optional[str] = Field(
+        None,
+        pattern=r"^https?://\S+$",
+        title="URL the output root is served at",
+        description="Where a web server serves the output root (captionflow reports --output ROOT, or any static "
+        "server of that folder), e.g. http://reports.internal:8080/: each run's report link in the Prefect UI "
+        "opens there. Empty: a report on an object store gets a signed link (7 days), a local one its file path "
+        "(a browser will not open file:// links from the UI).",
+    )
     model: str = Field(
         "builtin",
         title="Model",
@@ -385,6 +394,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Data": (
         "dataset",
         "output",
+        "report_url",
         "image_column",
         "caption_column",
         "slice_column",

@@ -355,6 +355,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reports(args: argparse.Namespace) -> int:
+    """Serve the output root over HTTP, read only, for the report links of runs given ``report_url``; SIGTERM (the
+    command's handler, ``_exit_on_term``) or Ctrl-C stops it."""
+    from captionflow.report.serve import report_server
+
+    try:
+        server = report_server(args.output, args.host, args.port)
+    except (ValueError, OSError) as e:
+        raise _UserError(str(e)) from None
+    host, port = server.server_address[:2]
+    print(f"serving {args.output} read only at http://{host}:{port}/ - runs with report_url http://<this host>:{port}/ "
+          "link their reports here; stop with Ctrl-C", flush=True)  # fmt: skip
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Start the warm engine service (foreground on a local Ray, detached on a cluster), or stop or show it."""
     import math
@@ -575,6 +596,11 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--status", action="store_true", help="show what the running service has loaded and who uses it")
     _add_config_options(srv)
     srv.set_defaults(func=cmd_serve)
+    rp = sub.add_parser("reports", help="serve an output root's reports over HTTP (read only): report_url's server")
+    rp.add_argument("--output", default=RunConfig.model_fields["output"].default, help="the output root (a folder)")
+    rp.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    rp.add_argument("--port", type=int, default=8080)
+    rp.set_defaults(func=cmd_reports)
     lb = sub.add_parser("leaderboard", help="the leaderboard of an output root, newest first (table or JSON)")
     lb.add_argument("--output", default=RunConfig.model_fields["output"].default, help="the output root")
     lb.add_argument("--dataset", help="only this dataset (a prefix of its fingerprint)")

@@ -42,13 +42,19 @@ def quarantine_table(dataset_dir: str, reasons: dict[str, int]) -> list[dict[str
 REPORT_LINK_S = 7 * 24 * 3600  # how long a report's signed link works (S3's longest for a signed URL)
 
 
-def report_link(uri: str) -> tuple[str, str]:
+def report_link(uri: str, output: str = "", served: Optional[str] = None) -> tuple[str, str]:
     """(URL, what it is) for the report's link artifact. A browser refuses file:// links from the Prefect UI ("Not
-    allowed to load local resource"), so a report on an object store gets a signed https link that opens from
-    the UI for ``REPORT_LINK_S`` (s3fs/gcsfs ``sign``); a local one keeps its file:// link, which works from a
-    file manager or a terminal on the worker's machine, and its text is in the caption-report artifact."""
+    allowed to load local resource"). Where the output root is served over http(s) (``served``: ``report_url``,
+    e.g. ``captionflow reports``), the link is the report's place there; else a report on an object store gets a
+    signed https link that opens from the UI for ``REPORT_LINK_S`` (s3fs/gcsfs ``sign``), and a local one keeps
+    its file:// link, which works from a file manager or a terminal on the worker's machine (its text is in the
+    caption-report artifact)."""
     from pathlib import Path
+    from urllib.parse import quote
 
+    root = output.rstrip("/")
+    if served and root and uri.startswith(root + "/"):
+        return served.rstrip("/") + "/" + quote(uri[len(root) + 1 :]), f"served from the output root at {served}"
     if "://" not in uri or uri.startswith("file://"):
         return Path(uri.removeprefix("file://")).resolve().as_uri(), "a local file on the worker: open it there"
     fs, path = open_fs(uri)
@@ -58,7 +64,7 @@ def report_link(uri: str) -> tuple[str, str]:
         return uri, "the report's URI on its store"
 
 
-def publish_artifacts(summary: dict[str, Any]) -> None:
+def publish_artifacts(summary: dict[str, Any], output: str = "", report_url: Optional[str] = None) -> None:
     from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
     c = summary["counts"]
@@ -109,7 +115,7 @@ def publish_artifacts(summary: dict[str, Any]) -> None:
         markdown=fs.cat_file(path).decode("utf-8"), key="caption-report", description="captionflow evaluation report"
     )
     if summary.get("report_html"):
-        link, how = report_link(summary["report_html"])
+        link, how = report_link(summary["report_html"], output, report_url)
         create_link_artifact(
             key="caption-report-html",
             link=link,
@@ -143,7 +149,7 @@ def emit_regression(cfg: RunConfig, summary: dict[str, Any], payload: dict[str, 
 def publish_task(cfg: RunConfig, summary: dict[str, Any]) -> Optional[dict[str, Any]]:
     """Publish the run's artifacts; emit ``captionflow.checkpoint.regressed`` when the checkpoint regressed
     and this run evaluated it (not a cached rerun). Returns the regression's payload (None: none)."""
-    publish_artifacts(summary)
+    publish_artifacts(summary, Store(cfg.output).url(), cfg.report_url)
     same = evaluated_as(Store(cfg.output), summary["run_dir"], cfg.model)
     if same:
         get_run_logger().warning(

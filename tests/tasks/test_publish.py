@@ -158,3 +158,48 @@ def test_a_report_on_s3_gets_a_signed_link_a_browser_opens(s3_bucket, tmp_path):
         assert r.read() == b"<!doctype html><title>report</title>"
     local, how = report_link(str(tmp_path / "report.html"))
     assert local == (tmp_path / "report.html").resolve().as_uri() and "local file" in how
+
+
+def test_a_local_report_opens_in_a_browser_from_the_ui_through_the_output_roots_server(tmp_path):
+    """report_url: the output root served read only by ``captionflow reports``; the link artifact's URL is the
+    report's place there, and a real browser renders it from that link (the UI's file:// link it refused)."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import urllib.error
+    import urllib.request
+
+    import pytest
+    from browser import rendered_dom
+
+    from tasks.publish import report_link
+
+    out = tmp_path / "out"
+    (out / "runs" / "ds" / "m" / "g").mkdir(parents=True)
+    report = out / "runs" / "ds" / "m" / "g" / "report.html"
+    report.write_text("<!doctype html><html><head><title>captionflow report</title></head><body>"
+                      "<h1 id='r'>the report</h1></body></html>")  # fmt: skip
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "reports", "--output", str(out), "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        assert "read only at http://127.0.0.1:" in server.stdout.readline()
+        link, how = report_link(str(report), str(out), f"http://127.0.0.1:{port}/")
+        assert link == f"http://127.0.0.1:{port}/runs/ds/m/g/report.html" and "served from the output root" in how
+        dom = rendered_dom(link, tmp_path / "profile")
+        assert '<h1 id="r">the report</h1>' in dom
+        with pytest.raises(urllib.error.HTTPError, match="403"):  # no listings of the root
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/runs/", timeout=10)
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/runs/ds/m/g/report.html", data=b"x", method="PUT")
+        with pytest.raises(urllib.error.HTTPError, match="501"):  # nothing is written
+            urllib.request.urlopen(req, timeout=10)
+        # outside the served root, the other links stay as they were
+        assert report_link("s3://b/x/report.html", str(out), f"http://127.0.0.1:{port}/")[0] != link
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == 143
