@@ -51,6 +51,8 @@ def caption_flow(config: RunConfig) -> dict:
             ing, manifest, captions, scored, stages.records, stages.elapsed(), runtime.flow_run.id
         )
         due = deadline.for_run(config.deadline, config.deadline_margin_s, runtime.flow_run.scheduled_start_time)
-        summary.deadline = due.outcome() if due else None
+        if due:  # one outcome: when the verdict was in (the evaluate stage's, the leaderboard row's), else now
+            fresh = "evaluate" not in summary.cached_stages
+            summary.deadline = (fresh and summary.metrics.get("deadline")) or due.outcome()
         summary.regression = publish_task(config, summary.to_dict())
     return summary.to_dict()

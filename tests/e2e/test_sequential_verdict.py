@@ -77,6 +77,7 @@ def test_a_sequential_run_stops_once_sure_and_a_full_run_captions_the_rest(prefe
     full = json.loads((tmp_path / "full.json").read_text())
     # a deadline it meets: the summary says by how much, and no sla-at-risk event
     assert full["deadline"]["met"] and full["deadline"]["spare_s"] > 0 and "to spare" in full["deadline"]["line"]
+    assert full["deadline"] == full["metrics"]["deadline"]  # one outcome: the summary's is the leaderboard row's
     assert not _sla_events(full["flow_run_id"])
     board = {r["run_dir"]: r for r in pq.read_table(tmp_path / "out" / "leaderboard.parquet").to_pylist()}
     assert (
