@@ -8,7 +8,8 @@ Each caption is checked for four faults, independently (one caption can have sev
 - ``prompt_echo``: the caption repeats the instruction (the user prompt or system prompt, whole, or 80% of the
   prompt's words at the start of the caption);
 - ``non_target_language``: not English: under 80% of the letters are ASCII (another script), or a caption of
-  6+ words without a single common English function word.
+  6+ words without a single common English function word and with two or more of another European language's
+  (a terse English caption - "red car parked beside green tree outside house" - has none of either).
 
 They are heuristics: a caption that quotes a sign reading "I'm sorry" is a false positive, a polite refusal in
 other words a false negative. They count and show examples; they change no metric.
@@ -50,6 +51,22 @@ _ENGLISH_FUNCTION_WORDS = frozenset(
 
 _ASCII_LETTER = re.compile(r"[A-Za-z]")
 _ASCII_NON_LETTERS = bytes(b for b in range(128) if not chr(b).isalpha())
+# French, Spanish, Italian, Portuguese, German and Dutch function words that are not English words
+_OTHER_FUNCTION_WORDS = (
+    frozenset(
+        " ".join(
+            (
+                "le la les un une des du au aux et est sur dans avec pour par sous chez",
+                "el los las una unos y sobre con por para del junto bajo entre",
+                "il lo gli uno della delle nel sulla sul con per tra",
+                "o os uma umas e com sob sobre pelo pela",
+                "der die das ein eine einem einen und ist auf mit im am zum zur vor",
+                "de het een en op met bij naast onder",
+            )
+        ).split()
+    )
+    - _ENGLISH_FUNCTION_WORDS
+)
 
 
 @functools.lru_cache(maxsize=64)
@@ -83,15 +100,24 @@ def faults(caption: str, prompts: Iterable[str] = (), words: Optional[list[str]]
         n_ascii = len(caption.encode("ascii", "ignore").translate(None, _ASCII_NON_LETTERS))
     if n_letters:
         ascii_share = n_ascii / n_letters
-        latin_but_foreign = len(cap_words) >= 6 and not (set(cap_words) & _ENGLISH_FUNCTION_WORDS)
+        said = set(cap_words)
+        latin_but_foreign = (
+            len(cap_words) >= 6 and not (said & _ENGLISH_FUNCTION_WORDS) and len(said & _OTHER_FUNCTION_WORDS) >= 2
+        )
         if ascii_share < 0.8 or latin_but_foreign:
             found.append("non_target_language")
     return found
 
 
-def caption_health(rows: Iterable[dict], prompts: Iterable[str] = (), words: Optional[list[list[str]]] = None) -> dict:
+def caption_health(
+    rows: Iterable[dict],
+    prompts: Iterable[str] = (),
+    words: Optional[list[list[str]]] = None,
+    names: Optional[dict[str, str]] = None,
+) -> dict:
     """Counts, rates and up to EXAMPLES examples per fault over caption rows (``image_id``, ``caption``);
-    ``words``: each row's ``caption_words``, in order, when the caller has them already."""
+    ``words``: each row's ``caption_words``, in order, when the caller has them already; ``names``: image id -> the
+    name a user knows the image by (its file), for the examples."""
     prompts = [p for p in prompts if p]
     counts = dict.fromkeys(CHECKS, 0)
     examples: dict[str, list[dict]] = {k: [] for k in CHECKS}
@@ -101,7 +127,10 @@ def caption_health(rows: Iterable[dict], prompts: Iterable[str] = (), words: Opt
         for fault in faults(row["caption"], prompts, words[i] if words is not None else None):
             counts[fault] += 1
             if len(examples[fault]) < EXAMPLES:
-                examples[fault].append({"image_id": row["image_id"], "caption": row["caption"][:200]})
+                example = {"image_id": row["image_id"], "caption": row["caption"][:200]}
+                if names and row["image_id"] in names:
+                    example["file"] = names[row["image_id"]]
+                examples[fault].append(example)
     return {
         "n_captions": n,
         "counts": counts,

@@ -53,7 +53,8 @@ def evaluate(
     words = [caption_words(r["caption"]) for r in rows]  # once, for the statistics and the health checks
     stats = length_stats([r["caption"] for r in rows], [r["finish_reason"] for r in rows], inference.failed, words)
     ref_agg, ref_per = reference_metrics(captions, refs, java=coco_java)
-    metrics = {"stats": stats, "health": caption_health(rows, prompts, words), "reference": ref_agg}
+    names = {i: src.rsplit("/", 1)[-1] for i, src in sources.items() if src}  # the examples' file names
+    metrics = {"stats": stats, "health": caption_health(rows, prompts, words, names), "reference": ref_agg}
     # the sequential verdict: on the captions' scores, or on the judge's or the pairwise judge's
     verdict = inference.verdict or (judge and judge.verdict) or (pairwise and pairwise.verdict)
     if verdict:

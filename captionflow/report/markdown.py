@@ -173,7 +173,9 @@ def _health_lines(health: dict | None) -> list[str]:
         "|---|---|---|---|",
     ]
     for fault, count in health["counts"].items():
-        shown = "; ".join(f"{md_text(e['image_id'])}: {md_text(e['caption'], 80)}" for e in health["examples"][fault])
+        shown = "; ".join(
+            f"{md_text(e.get('file') or e['image_id'])}: {md_text(e['caption'], 80)}" for e in health["examples"][fault]
+        )
         lines.append(f"| {fault.replace('_', ' ')} | {count} | {health['rates'][fault]:.1%} | {shown or '-'} |")
     return [*lines, ""]
 

@@ -34,6 +34,14 @@ def test_a_short_caption_without_function_words_is_not_called_foreign():
     assert faults("Red car.", PROMPTS) == [] and faults("Sunset", PROMPTS) == []
 
 
+def test_a_terse_english_caption_is_not_called_foreign_and_latin_script_foreign_ones_are():
+    """It flagged English captions without a function word (#70 N8)."""
+    for english in ("Red car parked beside green tree outside house", "Brown dog running across grassy field today"):
+        assert faults(english, PROMPTS) == [], english
+    for other in ("Ein brauner Hund rennt über die Wiese am Fluss", "Un perro marrón corre sobre la hierba verde"):
+        assert faults(other, PROMPTS) == ["non_target_language"], other
+
+
 def test_counts_rates_and_bounded_examples():
     rows = [{"image_id": f"r{i}", "caption": "I cannot help with that."} for i in range(5)]
     rows += [{"image_id": "ok", "caption": "A cat on a mat."}]
@@ -42,4 +50,6 @@ def test_counts_rates_and_bounded_examples():
     assert h["counts"]["refusal"] == 5 and h["rates"]["refusal"] == pytest.approx(5 / 6)
     assert sum(h["counts"].values()) == 5
     assert [e["image_id"] for e in h["examples"]["refusal"]] == [f"r{i}" for i in range(EXAMPLES)]
+    named = caption_health(rows, PROMPTS, names={"r0": "IMG_0001.jpg"})["examples"]["refusal"]  # by file name
+    assert named[0]["file"] == "IMG_0001.jpg" and "file" not in named[1]
     assert caption_health([], PROMPTS)["rates"]["refusal"] == 0.0
