@@ -146,7 +146,25 @@ class RunConfig(BaseModel):
     max_concurrent_batches: Optional[int] = Field(None, ge=1, title="Batches in flight per engine replica")
     max_num_seqs: Optional[int] = Field(None, ge=1, title="vLLM max_num_seqs")
     max_model_len: Optional[int] = Field(None, ge=64, title="vLLM max_model_len")
-    tensor_parallel_size: int = Field(1, ge=1, title="Tensor parallel size")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        title="Tensor parallel size",
+        description="GPUs of one host each engine spans (a model too large for one GPU: the run says how many).",
+    )
+    quantization: Optional[Literal["fp8"]] = Field(
+        None,
+        title="Quantization",
+        description="'fp8': vLLM quantizes a 16-bit checkpoint's weights to FP8 as it loads them (about half the "
+        "memory; on GPUs with FP8, such as H100 and H200). Captions made with it are apart from the 16-bit ones "
+        "(the generation fingerprint). A pre-quantized FP8 checkpoint needs nothing here.",
+    )
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto",
+        title="KV cache dtype",
+        description="'fp8': the engines keep their KV cache in FP8 (twice the sequences in the same memory); "
+        "'auto': the model's dtype. In the generation fingerprint.",
+    )
     accelerator_type: Optional[str] = Field(None, title="Ray accelerator type (e.g. H100)")
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
@@ -436,6 +454,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "max_num_seqs",
         "max_model_len",
         "tensor_parallel_size",
+        "quantization",
+        "kv_cache_dtype",
         "accelerator_type",
         "engine_kwargs",
         "warm_engines",

@@ -34,6 +34,11 @@ class BaselineError(CaptionflowError, ValueError):
     """``pairwise_against`` names nothing this run can be compared with."""
 
 
+class ModelTooLarge(CaptionflowError, ValueError):
+    """The checkpoint's weights, with an engine's KV cache and activations, do not fit the GPU: said before any
+    engine starts, with what would fit it."""
+
+
 class ClusterUnreachable(CaptionflowError, ConnectionError):
     """``ray_address`` (or ``RAY_ADDRESS``) names a Ray cluster that does not answer: a typo, or a head that is down.
     Not retried: Ray itself waited 13.7 min on such an address before failing, and Prefect then retried it."""

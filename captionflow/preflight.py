@@ -67,6 +67,11 @@ def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
     if cfg.coco_java and not shutil.which("java"):
         raise OptionError("coco_java needs Java on the PATH (PTB tokenizer and METEOR run on the JVM)")
     device, gpus, local = resolve_device(cfg)
+    if device == "cpu" and (cfg.quantization or cfg.kv_cache_dtype != "auto"):
+        raise OptionError(
+            f"quantization {cfg.quantization} / kv_cache_dtype {cfg.kv_cache_dtype}: FP8 needs a GPU (this run's "
+            "device is the CPU); leave them unset"
+        )
     if prewarm_imports and (not local or device == "gpu"):
         prewarm(serve=cfg.warm_engines != "off")
     engine = resolve_engine(cfg, model, PRESETS[device], gpus, local)

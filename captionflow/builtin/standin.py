@@ -56,6 +56,51 @@ QWEN_SPECIAL_TOKENS = [
 ]
 QWEN_IDS = {t: QWEN_REGULAR_TOKENS + i for i, t in enumerate(QWEN_SPECIAL_TOKENS)}
 
+
+def _larger_qwen25_vl(hidden: int, intermediate: int, layers: int, heads: int) -> dict:
+    """Qwen2.5-VL-7B/32B/72B-Instruct: the 3B's vision tower (its merger into ``hidden``), a text model of these
+    widths with 4 (7B) or 8 key-value heads, a vocabulary of 152,064 and untied embeddings."""
+    return {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "model_type": "qwen2_5_vl",
+        "processor_class": "Qwen2_5_VLProcessor",
+        "text": {
+            "model_type": "qwen2_5_vl_text",
+            "vocab_size": 152064,
+            "hidden_size": hidden,
+            "intermediate_size": intermediate,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": 4 if hidden == 3584 else 8,
+            "max_position_embeddings": 128000,
+            "max_window_layers": layers,
+            "sliding_window": 32768,
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+        },
+        "vision": {**_QWEN25_VISION, "out_hidden_size": hidden},
+        "tie_word_embeddings": False,
+    }
+
+
+_QWEN25_VISION = {
+    "model_type": "qwen2_5_vl",
+    "depth": 32,
+    "hidden_act": "silu",
+    "hidden_size": 1280,
+    "intermediate_size": 3420,
+    "num_heads": 16,
+    "in_chans": 3,
+    "out_hidden_size": 2048,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "spatial_patch_size": 14,
+    "window_size": 112,
+    "fullatt_block_indexes": [7, 15, 23, 31],
+    "tokens_per_second": 2,
+    "temporal_patch_size": 2,
+}
+
 # Published architecture hyper-parameters (config.json of each *-Instruct checkpoint).
 ARCHES: dict[str, dict] = {
     "qwen2.5-vl-3b": {
@@ -76,24 +121,16 @@ ARCHES: dict[str, dict] = {
             "tie_word_embeddings": True,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
         },
-        "vision": {
-            "model_type": "qwen2_5_vl",
-            "depth": 32,
-            "hidden_act": "silu",
-            "hidden_size": 1280,
-            "intermediate_size": 3420,
-            "num_heads": 16,
-            "in_chans": 3,
-            "out_hidden_size": 2048,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "spatial_patch_size": 14,
-            "window_size": 112,
-            "fullatt_block_indexes": [7, 15, 23, 31],
-            "tokens_per_second": 2,
-            "temporal_patch_size": 2,
-        },
+        "vision": _QWEN25_VISION,
         "tie_word_embeddings": True,
+    },
+    **{
+        f"qwen2.5-vl-{size}": _larger_qwen25_vl(hidden, intermediate, layers, heads)
+        for size, hidden, intermediate, layers, heads in (
+            ("7b", 3584, 18944, 28, 28),
+            ("32b", 5120, 27648, 64, 40),
+            ("72b", 8192, 29568, 80, 64),
+        )
     },
     "qwen2-vl-2b": {
         "architectures": ["Qwen2VLForConditionalGeneration"],

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from captionflow.config import RunConfig
+from captionflow.errors import ModelTooLarge
 from captionflow.model_source import ResolvedModel
 from captionflow.pipeline.device import local_gpu_memory_bytes
-from captionflow.pipeline.presets import Preset, engines_per_gpu, model_weight_bytes
+from captionflow.pipeline.presets import Preset, engines_per_gpu, model_weight_bytes, too_large
 
 
 @dataclass(frozen=True)
@@ -145,9 +146,12 @@ def resolve_engine(
     k, share, layout_kwargs, mps = 1, 0.0, {}, "off"
     if preset.engine_gpus:
         gpu_mem = int(cfg.gpu_memory_gib * 2**30) if cfg.gpu_memory_gib else (local_gpu_memory_bytes() or 80 * 2**30)
-        k = engines_per_gpu(
-            preset, model_weight_bytes(model.path), gpu_mem, cfg.tensor_parallel_size, cfg.engines_per_gpu
-        )
+        weights = model_weight_bytes(model.path, cfg.quantization)
+        why = too_large(preset, weights, gpu_mem, cfg.tensor_parallel_size, cfg.quantization,
+                        model_weight_bytes(model.path, "fp8"))  # fmt: skip
+        if why:
+            raise ModelTooLarge(f"model {model.source}: {why}")
+        k = engines_per_gpu(preset, weights, gpu_mem, cfg.tensor_parallel_size, cfg.engines_per_gpu)
         if k > 1:
             # Each engine checks at start that its share of the GPU is free, and gets a fixed KV cache
             # instead of profiling "the rest of the GPU" (which the other engines are filling meanwhile).
@@ -171,6 +175,8 @@ def resolve_engine(
         # image) and not repeated per request
         "mm_processor_kwargs": {"max_pixels": max_pixels},
         "tensor_parallel_size": cfg.tensor_parallel_size,
+        **({"quantization": cfg.quantization} if cfg.quantization else {}),
+        **({"kv_cache_dtype": cfg.kv_cache_dtype} if cfg.kv_cache_dtype != "auto" else {}),
         **({"renderer_num_workers": renderer} if renderer > 1 else {}),
         # vLLM's statistics cost the front end per step and per request (~10% of its CPU on 2 cores): kept
         # only where something reads them (engine metrics for Prometheus)

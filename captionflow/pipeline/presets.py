@@ -149,20 +149,78 @@ def pipeline_cpus(preset: Preset, concurrency: int, gpus: int = 1) -> float:
     )
 
 
-def model_weight_bytes(model_path: str) -> int | None:
-    """Bytes of the checkpoint's weights: its weight files, else a stand-in's parameter count in bf16."""
+def model_weight_bytes(model_path: str, quantization: str | None = None) -> int | None:
+    """Bytes of the checkpoint's weights on a GPU: its weight files (a stand-in: its parameter count in bf16);
+    with ``quantization`` fp8 of a 16-bit checkpoint, vLLM's online FP8 keeps the embeddings (and an untied LM
+    head) in 16 bits and stores every other weight in one byte. None where neither is known."""
     import json
     from pathlib import Path
 
     root = Path(model_path)
     files = [p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt")] if root.is_dir() else []
-    if files:
-        return sum(p.stat().st_size for p in files)
     meta = root / "captionflow_model.json"
-    if meta.is_file():
-        params = json.loads(meta.read_text()).get("parameters")
-        return int(params) * 2 if params else None
-    return None
+    if files:
+        stored = sum(p.stat().st_size for p in files)
+    elif meta.is_file() and (params := json.loads(meta.read_text()).get("parameters")):
+        stored = int(params) * 2
+    else:
+        return None
+    config = _config(root)
+    if quantization != "fp8" or (config or {}).get("quantization_config"):  # a pre-quantized checkpoint: as it is
+        return stored
+    embedding = 2 * embedding_params(config or {})  # bytes, kept in 16 bits
+    return embedding + (stored - embedding) // 2
+
+
+def _config(root) -> dict | None:
+    import json
+
+    try:
+        return json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def embedding_params(config: dict) -> int:
+    """The token embedding's parameters, and the LM head's where it is not tied to it."""
+    text = config.get("text_config") or config
+    vocab, hidden = int(text.get("vocab_size") or 0), int(text.get("hidden_size") or 0)
+    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return vocab * hidden * (1 if tied else 2)
+
+
+GIB = 2**30
+
+
+def too_large(preset: Preset, weight_bytes: int | None, gpu_memory_bytes: int, tensor_parallel_size: int = 1,
+              quantization: str | None = None, fp8_bytes: int | None = None) -> str | None:  # fmt: skip
+    """Why one engine of a model with ``weight_bytes`` (over ``tensor_parallel_size`` GPUs) cannot fit a GPU of
+    ``gpu_memory_bytes`` - its weights, the preset's KV cache and activations over the 90% of the GPU an engine may
+    use - and what would fit it (``fp8_bytes``: its weights in FP8); None where it fits (or nothing is known)."""
+    if not preset.engine_gpus or not weight_bytes or not gpu_memory_bytes:
+        return None
+    room, extra = 0.9 * gpu_memory_bytes, preset.kv_cache_bytes + preset.engine_overhead_bytes
+    if weight_bytes / tensor_parallel_size + extra <= room:
+        return None
+    ways = []
+    if quantization != "fp8" and fp8_bytes and fp8_bytes / tensor_parallel_size + extra <= room:
+        ways.append(f"quantization fp8 (~{fp8_bytes / GIB:.0f} GiB of weights)")
+    ways.append(f"a GPU of {math.ceil((weight_bytes / tensor_parallel_size + extra) / 0.9 / GIB)} GiB or more")
+    tp = next((t for t in (2, 4, 8) if t > tensor_parallel_size and weight_bytes / t + extra <= room), None)
+    if tp:
+        ways.append(f"tensor_parallel_size {tp} on a host with {tp} GPUs")
+    return (
+        f"its weights take ~{weight_bytes / GIB:.0f} GiB"
+        + (f" ({weight_bytes / tensor_parallel_size / GIB:.0f} per GPU)" if tensor_parallel_size > 1 else "")
+        + f", with {extra / GIB:.0f} GiB of KV cache and activations more than the {room / GIB:.0f} GiB an engine "
+        f"may use of a {gpu_memory_bytes / GIB:.0f} GiB GPU; it fits with " + ", or ".join(ways)
+    )
+
+
+# Weights from which one engine runs per GPU (32B and 72B, in bf16 or FP8): its forward passes keep the GPU busy,
+# and the KV cache gets the rest of the memory (several engines are for small models, whose one front end cannot
+# feed the GPU). A rule from the model sizes; not yet measured on a GPU (docs/sizing.md).
+ONE_ENGINE_BYTES = 24 * 2**30
 
 
 def engines_per_gpu(
@@ -177,7 +235,7 @@ def engines_per_gpu(
         return override
     if preset.engine_gpus == 0 or preset.max_engines_per_gpu <= 1 or tensor_parallel_size > 1:
         return 1
-    if not weight_bytes or not gpu_memory_bytes:
+    if not weight_bytes or not gpu_memory_bytes or weight_bytes >= ONE_ENGINE_BYTES:
         return 1
     per_engine = weight_bytes + preset.kv_cache_bytes + preset.engine_overhead_bytes
     return max(1, min(preset.max_engines_per_gpu, int(0.9 * gpu_memory_bytes // per_engine)))

@@ -142,3 +142,33 @@ def test_a_storage_endpoint_that_never_answers_fails_in_bounded_time(builtin_mod
         for c in held:
             c.close()
     assert time.monotonic() - t0 < 30
+
+
+def test_a_model_too_large_for_the_gpu_is_one_line_before_any_engine_and_fp8_is_a_setting_of_its_own(tmp_path):
+    """The 72B stand-in on a GPU of 80 GiB (gpu_memory_gib stands in for the GPU this machine does not have), with the
+    GPU preset: refused in one line naming what would fit it; in FP8 on 141 GiB it fits, one engine, and its
+    captions are apart from 16-bit ones (FP8 is in the generation fingerprint)."""
+    from captionflow.builtin.standin import build_standin
+    from captionflow.data.fingerprint import generation_fingerprint
+    from captionflow.errors import ModelTooLarge
+    from captionflow.model_source import resolve_model
+    from captionflow.pipeline.engine import resolve_engine
+    from captionflow.pipeline.presets import GPU
+
+    model = resolve_model(str(build_standin("qwen2.5-vl-72b", tmp_path / "72b")), dummy_weights=True)
+    cfg = RunConfig(device="gpu", gpu_memory_gib=80, engine_kwargs={"load_format": "dummy"})
+    with pytest.raises(ModelTooLarge, match=r"^model .*72b: its weights take ~137 GiB.* tensor_parallel_size 4") as e:
+        resolve_engine(cfg, model, GPU, gpus=1)
+    assert "\n" not in str(e.value)
+    fp8 = cfg.model_copy(update={"gpu_memory_gib": 141, "quantization": "fp8", "kv_cache_dtype": "fp8"})
+    engine = resolve_engine(fp8, model, GPU, gpus=1)
+    assert engine.engines_per_gpu == 1 and engine.engine_kwargs["quantization"] == "fp8"
+    assert engine.engine_kwargs["kv_cache_dtype"] == "fp8"
+    bf16 = resolve_engine(cfg.model_copy(update={"gpu_memory_gib": 1000}), model, GPU, gpus=1)
+    assert "quantization" not in bf16.engine_kwargs
+    assert generation_fingerprint(fp8, engine) != generation_fingerprint(cfg, bf16)
+
+
+def test_fp8_on_the_cpu_is_refused_in_one_line(builtin_model_dir, tmp_path, no_ray):
+    with pytest.raises(OptionError, match="FP8 needs a GPU"):
+        _fast(preflight, RunConfig(output=str(tmp_path), device="cpu", quantization="fp8"))

@@ -88,3 +88,44 @@ def test_random_weights_have_the_checkpoint_layout_and_depend_on_the_seed(tmp_pa
         ta, tb = fa.get_tensor(name), fb.get_tensor(name)
     assert str(ta.dtype) == "torch.bfloat16" and ta.shape == tb.shape and not (ta == tb).all()
     assert resolve_model(str(a)).fingerprint != resolve_model(str(b)).fingerprint
+
+
+@pytest.fixture(scope="module")
+def large(tmp_path_factory):
+    """The 7B, 32B and 72B stand-ins: their published configs, no weights."""
+    root = tmp_path_factory.mktemp("large")
+    return {size: build_standin(f"qwen2.5-vl-{size}", root / size) for size in ("7b", "32b", "72b")}
+
+
+def test_the_larger_standins_have_the_published_parameter_counts(large):
+    published = {"7b": 8.29e9, "32b": 33.45e9, "72b": 73.41e9}  # the *-Instruct checkpoints' model cards
+    for size, folder in large.items():
+        params = json.loads((folder / "captionflow_model.json").read_text())["parameters"]
+        assert abs(params / published[size] - 1) < 0.005, (size, params)
+        assert json.loads((folder / "config.json").read_text())["text_config"]["vocab_size"] == 152064
+
+
+def test_fp8_weights_take_about_half_but_the_embeddings_and_one_engine_per_gpu_for_32b_and_72b(large):
+    gib = 2**30
+    for size, folder in large.items():
+        bf16, fp8 = model_weight_bytes(str(folder)), model_weight_bytes(str(folder), "fp8")
+        assert 0.5 < fp8 / bf16 < 0.58, size  # the embeddings and the untied LM head (7B: 13%) stay in 16 bits
+    assert engines_per_gpu(GPU, model_weight_bytes(str(large["7b"])), 80 * gib) == 3  # 15.4 + 8 GiB each
+    for size in ("32b", "72b"):
+        for q in (None, "fp8"):
+            assert engines_per_gpu(GPU, model_weight_bytes(str(large[size]), q), 141 * gib) == 1, (size, q)
+
+
+def test_a_model_too_large_for_the_gpu_says_what_would_fit_it(large):
+    from captionflow.pipeline.presets import too_large
+
+    gib = 2**30
+    w72, w72_fp8 = model_weight_bytes(str(large["72b"])), model_weight_bytes(str(large["72b"]), "fp8")
+    h200 = too_large(GPU, w72, 141 * gib, 1, None, w72_fp8)
+    assert h200.startswith("its weights take ~137 GiB, with 8 GiB of KV cache and activations more than the 127 GiB")
+    assert "quantization fp8 (~71 GiB of weights)" in h200 and "tensor_parallel_size 2 on a host with 2 GPUs" in h200
+    assert too_large(GPU, w72_fp8, 141 * gib, 1, "fp8", w72_fp8) is None  # 72B in FP8 on one H200
+    h100 = too_large(GPU, w72, 80 * gib, 1, None, w72_fp8)
+    assert "quantization" not in h100 and "tensor_parallel_size 4" in h100  # FP8 does not fit 80 GB either
+    assert too_large(GPU, w72, 80 * gib, 4, None, w72_fp8) is None  # over 4 GPUs it does
+    assert too_large(CPU, w72, 80 * gib) is None and too_large(GPU, None, 80 * gib) is None
