@@ -326,33 +326,75 @@ MAX_PLAN_GPUS = 1024
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """How many GPUs caption --images by --deadline, from the measured rates (captionflow/pipeline/plan.py)."""
-    from captionflow.pipeline.deadline import duration_s, human
-    from captionflow.pipeline.plan import RESULTS, load_scaling, plan
+    """How many GPUs caption --images by --deadline, from the measured rates (captionflow/pipeline/plan.py); for
+    --model or --arch (and other pixels or tokens) scaled by FLOPs per image."""
+    from datetime import UTC, datetime
 
-    seconds = duration_s(args.deadline)
-    if not seconds:
-        raise _UserError(f"plan: --deadline {args.deadline!r} is not a duration (8h, 90m, 1h30m, 45s, 2d)")
+    from captionflow.pipeline import plan as planning
+    from captionflow.pipeline.deadline import human, parse
+
     try:
-        p = plan(args.images, seconds, load_scaling(args.gpu, Path(args.results) if args.results else RESULTS))
+        now = datetime.now(UTC)
+        seconds = (parse(args.deadline, now) - now).total_seconds()
+    except ValueError as e:
+        raise _UserError(f"plan: {e}") from None
+    results = Path(args.results) if args.results else planning.RESULTS
+    try:
+        scaling = planning.load_scaling(args.gpu, results)
+        basis = planning.basis(results, scaling.device)
+        config, name = planning.model_config(args.model, args.arch or (None if args.model else basis["arch"]))
+        pixels, tokens = args.max_pixels or basis["max_pixels"], args.max_tokens or basis["max_tokens"]
+        scaling, said = planning.for_model(scaling, config, name, pixels, tokens, basis)
+        unfit = _plan_fit(config, args.model, args.arch, args.quantization, scaling.device)
+        if unfit:
+            raise ValueError(f"plan: {name} on one {scaling.device}: {unfit}")
+        if seconds <= scaling.start_s:
+            raise ValueError(
+                f"plan: the deadline is {human(max(seconds, 0))} away, and the engines alone take ~"
+                f"{human(scaling.start_s)} to start on {scaling.device}: no number of GPUs makes it"
+            )
+        p = planning.plan(args.images, seconds, scaling)
     except ValueError as e:
         raise _UserError(str(e)) from None
+    p["basis"] = said
     if args.json:
         print(json.dumps(p, indent=2, sort_keys=True))
         return 0
     print(
-        f"{p['images']:,} images by {args.deadline} on {p['device']} "
-        f"({p['rate_per_gpu']:.0f} images/s on one GPU, efficiency {p['efficiency']:.2f}, engines start in "
-        f"{p['start_s']:.0f} s; {p['source']})"
+        f"{p['images']:,} images by {args.deadline} on {p['device']} ({p['rate_per_gpu']:.0f} images/s on one GPU, "
+        f"efficiency {p['efficiency']:.2f}, engines start in {p['start_s']:.0f} s; {p['source']})"
     )
+    print(f"  basis: {said}")
     if p["gpus"] is None:
         print(f"  not even {MAX_PLAN_GPUS} GPUs: split the set, or give more time")
         return 1
     print(
-        f"  {p['gpus']} GPU{'s' if p['gpus'] > 1 else ''} ({p['gpus'] * p['engines_per_gpu']} engines): projected "
-        f"{human(p['projected_s'])}, {human(p['spare_s'])} to spare"
+        f"  {p['gpus']} GPU{'s' if p['gpus'] > 1 else ''}: projected {human(p['projected_s'])}, "
+        f"{human(p['spare_s'])} to spare"
     )
     return 0
+
+
+GPU_MEMORY_GIB = {"h100": 80, "h200": 141}  # the GPUs the rates were measured on
+
+
+def _plan_fit(config: dict, model: str | None, arch: str | None, quantization: str | None, device: str) -> str:
+    """Why the model does not fit one GPU of ``device`` in one engine ('' where it does, or it is not known)."""
+    import tempfile
+
+    from captionflow.pipeline.presets import GPU, model_weight_bytes, too_large
+
+    gib = GPU_MEMORY_GIB.get(device)
+    if not gib:
+        return ""
+    if model:
+        folder = model
+    else:  # an architecture: its stand-in's parameter count
+        from captionflow.builtin.standin import build_standin
+
+        folder = str(build_standin(arch or "qwen2.5-vl-3b", Path(tempfile.mkdtemp()) / "standin"))
+    weights = model_weight_bytes(folder, quantization)
+    return too_large(GPU, weights, gib * 2**30, 1, quantization, model_weight_bytes(folder, "fp8")) or ""
 
 
 def cmd_reports(args: argparse.Namespace) -> int:
@@ -611,7 +653,13 @@ def main(argv: list[str] | None = None) -> int:
     lb.set_defaults(func=cmd_leaderboard)
     pl = sub.add_parser("plan", help="how many GPUs caption N images by a deadline, from the measured rates")
     pl.add_argument("--images", type=int, required=True, help="images to caption")
-    pl.add_argument("--deadline", required=True, help="the time there is: 8h, 90m, 1h30m, 2d")
+    pl.add_argument("--deadline", required=True, help="the time there is (8h, 90m, 1h30m, 2d) or a time (ISO 8601)")
+    which = pl.add_mutually_exclusive_group()
+    which.add_argument("--model", help="a checkpoint folder (its config.json): the rate scaled by its FLOPs per image")
+    which.add_argument("--arch", help="an architecture instead (captionflow build-model --arch's names)")
+    pl.add_argument("--max-pixels", type=int, help="pixels an image is fitted to (default: the measurement's)")
+    pl.add_argument("--max-tokens", type=int, help="tokens of a caption (default: the measurement's)")
+    pl.add_argument("--quantization", choices=["fp8"], help="the weights in FP8: whether the model fits one GPU")
     pl.add_argument("--gpu", help="the GPU kind measured (bench/results/gpu_scaling-<gpu>.json), e.g. h200")
     pl.add_argument("--results", help="where the measurements are (default: the checkout's bench/results)")
     pl.add_argument("--json", action="store_true", help="the answer as JSON")
