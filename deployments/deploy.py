@@ -136,6 +136,29 @@ def ensure_work_pool(name: str, pool_type: str = "process", concurrency: int | N
             client.update_work_pool(name, WorkPoolUpdate(**update))
 
 
+def check_block_slug(slug: str) -> None:
+    from captionflow.preflight import OptionError
+
+    if "/" not in slug:
+        raise OptionError(
+            f"notify_block: expected TYPE/NAME of a saved Prefect block (e.g. slack-webhook/team), got {slug!r}"
+        )
+
+
+def require_server() -> None:
+    """A Prefect server to deploy to: without ``PREFECT_API_URL`` Prefect starts a temporary one for the command,
+    which takes the deployments and ends with it (``captionflow deploy`` said it had deployed, exit 0)."""
+    from prefect.settings import get_current_settings
+
+    from captionflow.preflight import OptionError
+
+    if not get_current_settings().api.url:
+        raise OptionError(
+            "deploy needs a Prefect server: set PREFECT_API_URL (e.g. http://127.0.0.1:4200/api after `prefect "
+            "server start`); without one the deployments would go to a temporary server that ends with this command"
+        )
+
+
 def notification_block_id(slug: str):
     """The id of the saved notification block ``TYPE/NAME``; a clear error when there is none."""
     from prefect.blocks.core import Block
@@ -143,10 +166,7 @@ def notification_block_id(slug: str):
 
     from captionflow.preflight import OptionError
 
-    if "/" not in slug:
-        raise OptionError(
-            f"notify_block: expected TYPE/NAME of a saved Prefect block (e.g. slack-webhook/team), got {slug!r}"
-        )
+    check_block_slug(slug)
     try:
         block = Block.load(slug)
     except ValueError as e:
@@ -385,6 +405,9 @@ def deploy(
     from prefect.deployments.runner import deploy as prefect_deploy
 
     deployments = runner_deployments(base, work_pool, cron, pool_type, image)  # checks the options first
+    if notify_block:
+        check_block_slug(notify_block)
+    require_server()
     block_id = notification_block_id(notify_block) if notify_block else None  # before anything is created
     ensure_work_pool(work_pool, pool_type, pool_concurrency)
     results_env(base.output, save=True)  # an object store's results block exists before the first run loads it

@@ -114,12 +114,17 @@ def chart_png(rows: list[dict], current_run_dir: str) -> Optional[bytes]:
     x = list(range(1, len(rows) + 1))
     names = [r["model"].rstrip("/").rsplit("/", 1)[-1][:18] for r in rows]
     for ax, (k, label) in zip(axes, charted):
-        ys = [r.get(k) for r in rows]
+        ys = [None if r.get(k) is None else round(r[k], 6) for r in rows]  # 2e-14 is 0: no axis of 1e-14 steps
         pts = [(xi, y) for xi, y in zip(x, ys) if y is not None]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color="#2060a0")
+        lo, hi = min(p[1] for p in pts), max(p[1] for p in pts)
+        if hi - lo < 1e-6:  # all the same: a band around it, in the metric's own scale
+            pad = max(abs(hi), 1.0) * 0.05
+            ax.set_ylim(lo - pad, hi + pad)
+        ax.ticklabel_format(axis="y", useOffset=False)
         for xi, r in zip(x, rows):
             if r["run_dir"] == current_run_dir and r.get(k) is not None:
-                ax.plot([xi], [r[k]], marker="o", markersize=12, fillstyle="none", color="#d04010")
+                ax.plot([xi], [round(r[k], 6)], marker="o", markersize=12, fillstyle="none", color="#d04010")
         ax.set_title(label)
         ax.set_xticks(x, names, rotation=30, ha="right", fontsize=7)
         ax.grid(alpha=0.3)

@@ -93,7 +93,7 @@ def test_a_malformed_config_file_is_one_line(tmp_path, capsys):
     assert err.startswith(f"captionflow: invalid parameters: config file {cfg}:2:") and "\n" not in err
 
 
-def test_the_watcher_refuses_without_a_prefect_api_and_records_nothing(tmp_path):
+def test_the_watcher_and_deploy_refuse_without_a_prefect_api_and_record_nothing(tmp_path):
     """Without PREFECT_API_URL the events would go to a temporary in-process server and no run would start:
     the watcher must exit non-zero, say why, and not record the checkpoint as announced."""
     import os
@@ -118,6 +118,13 @@ def test_the_watcher_refuses_without_a_prefect_api_and_records_nothing(tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "PREFECT_API_URL is not set" in proc.stderr and "announced" not in proc.stdout
     assert not (tmp_path / "ckpts" / ".captionflow-announced.json").exists()
+    # deploy, likewise: it deployed into a temporary server that ended with it, and said so with exit 0
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "deploy", "--work-pool", "nowhere"],
+        capture_output=True, text=True, cwd=root, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "deploy needs a Prefect server: set PREFECT_API_URL" in proc.stderr
+    assert "deployment captionflow/" not in proc.stdout
 
 
 def test_version_and_json_option_errors_say_what(capsys):
