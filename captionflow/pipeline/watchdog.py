@@ -45,6 +45,7 @@ class Watchdog:
     def __init__(self, what: str, limit_s: float, status: Callable[[], str], every_s: float = 60.0):
         self.what, self.limit_s, self.status, self.every_s = what, limit_s, status, every_s
         self.last = time.monotonic()
+        self.started = False  # a first result came
         self.reason: Optional[str] = None
         self._stop = threading.Event()
         self._target = threading.get_ident()
@@ -52,10 +53,16 @@ class Watchdog:
 
     def tick(self) -> None:
         self.last = time.monotonic()
+        self.started = True
 
     def _run(self) -> None:
         while not self._stop.wait(min(self.every_s, max(self.limit_s / 4, 0.05))):
             idle = time.monotonic() - self.last
+            # the engines start first (a minute or more): before the first result, a wait is news, not a warning
+            if not self.started and self.every_s <= idle < self.limit_s:
+                log.info("%s: %s; no result yet, %.0f s after it began%s", self.what, self.status(), idle,
+                         _cluster_line())  # fmt: skip
+                continue
             line = f"{self.what}: {self.status()}; last result {idle:.0f} s ago{_cluster_line()}"
             if idle >= self.limit_s and not self._stop.is_set():
                 self.reason = (
