@@ -225,7 +225,9 @@ def _ray_answers(target: str, client: bool, timeout_s: float) -> Optional[str]:
         )
     if "HTTP/2" in details or "http1" in details.lower():
         return "an HTTP server answered (the Ray dashboard, on 8265? the GCS is on the head's port 6379 by default)"
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+    # a listener that says nothing: our deadline, or gRPC's own connect timeout first on a busy machine ("connection
+    # attempt timed out before receiving SETTINGS frame")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED or "timed out" in details.lower():
         return f"something accepted the connection but gave no Ray answer within {timeout_s:g} s (a hung head?)"
     return f"something accepted the connection but did not speak Ray's protocol ({details.splitlines()[0][:120]})"
 
