@@ -345,7 +345,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         config, name = planning.model_config(args.model, args.arch or (None if args.model else basis["arch"]))
         pixels, tokens = args.max_pixels or basis["max_pixels"], args.max_tokens or basis["max_tokens"]
         scaling, said = planning.for_model(scaling, config, name, pixels, tokens, basis)
-        unfit = _plan_fit(config, args.model, args.arch, args.quantization, scaling.device)
+        unfit = _plan_fit(config, args.model, args.quantization, scaling.device)
         if unfit:
             raise ValueError(f"plan: {name} on one {scaling.device}: {unfit}")
         if seconds <= scaling.start_s:
@@ -378,7 +378,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 GPU_MEMORY_GIB = {"h100": 80, "h200": 141}  # the GPUs the rates were measured on
 
 
-def _plan_fit(config: dict, model: str | None, arch: str | None, quantization: str | None, device: str) -> str:
+def _plan_fit(config: dict, model: str | None, quantization: str | None, device: str) -> str:
     """Why the model does not fit one GPU of ``device`` in one engine ('' where it does, or it is not known)."""
     import tempfile
 
@@ -387,14 +387,20 @@ def _plan_fit(config: dict, model: str | None, arch: str | None, quantization: s
     gib = GPU_MEMORY_GIB.get(device)
     if not gib:
         return ""
-    if model:
-        folder = model
-    else:  # an architecture: its stand-in's parameter count
-        from captionflow.builtin.standin import build_standin
 
-        folder = str(build_standin(arch or "qwen2.5-vl-3b", Path(tempfile.mkdtemp()) / "standin"))
-    weights = model_weight_bytes(folder, quantization)
-    return too_large(GPU, weights, gib * 2**30, 1, quantization, model_weight_bytes(folder, "fp8")) or ""
+    def unfit(folder: str) -> str:
+        weights = model_weight_bytes(folder, quantization)
+        return too_large(GPU, weights, gib * 2**30, 1, quantization, model_weight_bytes(folder, "fp8")) or ""
+
+    if model:
+        return unfit(model)
+    # an architecture: its config and its parameter count (counted on the meta device), as a stand-in says them
+    from captionflow.builtin.standin import count_parameters
+
+    with tempfile.TemporaryDirectory() as folder:
+        Path(folder, "config.json").write_text(json.dumps(config))
+        Path(folder, "captionflow_model.json").write_text(json.dumps({"parameters": count_parameters(folder)}))
+        return unfit(folder)
 
 
 def cmd_reports(args: argparse.Namespace) -> int:
