@@ -1,4 +1,4 @@
-"""A CLIPScore verdict's scoring in the driver (pipeline/clip_score.PrefixClipScore): images a second, both sides'
+"""A CLIPScore verdict's scoring in the driver (stages/clip_score.PrefixClipScore): images a second, both sides'
 captions scored as a prefix arrives in windows, by CLIP size and device.
 
 Random checkpoints of real shapes are built locally (nothing downloaded; the builtin CLIP's tokenizer): ``builtin``
@@ -28,7 +28,7 @@ from captionflow.builtin.clip import ensure_builtin_clip
 from captionflow.data.fingerprint import model_fingerprint
 from captionflow.data.storage import Store
 from captionflow.model_source import ClipModel
-from captionflow.pipeline.clip_score import PrefixClipScore
+from captionflow.stages.clip_score import PrefixClipScore
 
 SHAPES = {  # vision (hidden, layers, heads, patch), text (hidden, layers, heads), projection
     "b32": ((768, 12, 12, 32), (512, 8, 8), 512),

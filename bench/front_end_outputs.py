@@ -69,8 +69,8 @@ def main() -> int:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from captionflow.engines.presets import PRESETS
     from captionflow.model_source import resolve_model
-    from captionflow.pipeline.presets import PRESETS
 
     model = resolve_model(a.model).path
     preset = PRESETS[a.device]

@@ -39,7 +39,7 @@ def front_end(model: str, side: int):
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.serial_utils import MsgpackEncoder
 
-    from captionflow.pipeline.request_format import image_prompt
+    from captionflow.engines.request_format import image_prompt
 
     prompt = image_prompt(model).render(SYSTEM_PROMPT, PROMPT)
     args = EngineArgs(
@@ -132,7 +132,7 @@ def main() -> int:
         "rows": rows,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    from captionflow.pipeline.device import local_gpu_name
+    from captionflow.engines.device import local_gpu_name
 
     device = (local_gpu_name() or "cpu").replace("NVIDIA ", "").split()[0].lower()
     out = Path(a.json or Path(__file__).parent / "results" / f"front_end_threads-{device}.json")

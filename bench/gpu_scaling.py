@@ -117,7 +117,7 @@ def _standin(work: Path) -> str:
 
 
 def _device_name() -> str:
-    from captionflow.pipeline.device import local_gpu_name
+    from captionflow.engines.device import local_gpu_name
 
     name = (local_gpu_name() or "gpu").replace("NVIDIA ", "").split()[0].lower()
     return name
@@ -129,7 +129,7 @@ def _save(res: dict, out: Path) -> None:
 
 
 def main() -> int:
-    from captionflow.pipeline.device import local_gpu_name, local_gpus
+    from captionflow.engines.device import local_gpu_name, local_gpus
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=8000)

@@ -28,7 +28,7 @@ def raw_vllm(cfg, model_path: str, rows: list[dict], preset) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     from vllm import LLM, SamplingParams
 
-    from captionflow.pipeline.request_format import image_prompt
+    from captionflow.engines.request_format import image_prompt
     from captionflow.workers.llm_rows import caption_request
 
     t0 = time.perf_counter()
@@ -76,10 +76,10 @@ def raw_vllm(cfg, model_path: str, rows: list[dict], preset) -> dict:
 def stage(cfg, manifest, model) -> dict:
     """captionflow's inference stage (Ray Data LLM), timed from shard commit times."""
     from captionflow.data.storage import Store
+    from captionflow.engines.engine import resolve_engine
+    from captionflow.engines.presets import PRESETS
     from captionflow.errors import RowsFailed
-    from captionflow.pipeline.engine import resolve_engine
-    from captionflow.pipeline.inference import run_inference
-    from captionflow.pipeline.presets import PRESETS
+    from captionflow.stages.inference import run_inference
 
     engine = resolve_engine(cfg, model, PRESETS[cfg.device])
 
@@ -121,10 +121,10 @@ def main() -> int:
     from captionflow.data.layout import shard_paths
     from captionflow.data.sources import ingest
     from captionflow.data.storage import Store
+    from captionflow.engines.presets import PRESETS
+    from captionflow.engines.session import ray_session
     from captionflow.model_source import resolve_model
-    from captionflow.pipeline.preprocess import preprocess
-    from captionflow.pipeline.presets import PRESETS
-    from captionflow.pipeline.session import ray_session
+    from captionflow.stages.preprocess import preprocess
 
     work = Path(tempfile.mkdtemp(prefix="cf-bench-"))
     images = Path(args.images) if args.images else work / "images"

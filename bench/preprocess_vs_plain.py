@@ -127,8 +127,8 @@ def side_pipeline(images: str, out: str, warm: bool = False, peak: list | None =
 
     from captionflow.config import RunConfig
     from captionflow.data.sources import ingest
-    from captionflow.pipeline.preprocess import preprocess
-    from captionflow.pipeline.session import ray_session
+    from captionflow.engines.session import ray_session
+    from captionflow.stages.preprocess import preprocess
 
     cfg = RunConfig(dataset=images, output=out, device="cpu")
     t0 = time.perf_counter()

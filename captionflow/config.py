@@ -12,7 +12,7 @@ DEFAULT_PROMPT = "Describe this image in one sentence."
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant that writes short, factual image captions."
 
 
-# a duration (8h, 90m, 1h30m, 45s, 2d) or an ISO 8601 time: what pipeline/deadline.parse takes
+# a duration (8h, 90m, 1h30m, 45s, 2d) or an ISO 8601 time: what deadline.parse takes
 _DURATION = r"\s*(\d+(\.\d+)?\s*[dD])?\s*(\d+(\.\d+)?\s*[hH])?\s*(\d+(\.\d+)?\s*[mM])?\s*(\d+(\.\d+)?\s*[sS])?\s*"
 _TIME = r"\s*\d{4}-\d{2}-\d{2}([T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?)?\s*(Z|[+-]\d{2}(:?\d{2})?)?\s*"
 DEADLINE_PATTERN = f"^({_DURATION}|{_TIME})$"
@@ -389,7 +389,7 @@ class RunConfig(BaseModel):
         if v and isinstance(v, str):
             from datetime import UTC, datetime
 
-            from captionflow.pipeline.deadline import parse
+            from captionflow.deadline import parse
 
             parse(v, datetime.now(UTC))  # ValueError: what is accepted
         return v

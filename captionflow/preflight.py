@@ -25,13 +25,13 @@ from captionflow.compat.driver_imports import prewarm
 from captionflow.compat.vllm_modelinfo import prefetch as prefetch_model_info
 from captionflow.config import RunConfig
 from captionflow.data.storage import Store
+from captionflow.engines.device import local_gpus
+from captionflow.engines.engine import EngineSettings, engine_env, resolve_engine
+from captionflow.engines.presets import PRESETS
+from captionflow.engines.request_format import image_prompt
+from captionflow.engines.session import cluster_address
 from captionflow.errors import CaptionflowError, DatasetError
 from captionflow.model_source import ResolvedModel, local_model_path, resolve_clip, resolve_model
-from captionflow.pipeline.device import local_gpus
-from captionflow.pipeline.engine import EngineSettings, engine_env, resolve_engine
-from captionflow.pipeline.presets import PRESETS
-from captionflow.pipeline.request_format import image_prompt
-from captionflow.pipeline.session import cluster_address
 from captionflow.results import PreflightResult
 
 log = logging.getLogger("captionflow.preflight")
@@ -86,7 +86,7 @@ def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
         for architecture in {m.architecture for m in (model, judge) if m}:
             prefetch_model_info(architecture, engine_env(cfg))
     elif prewarm_imports:  # every check passed: a warm engine service starts loading the checkpoint now
-        from captionflow.service import runs as service
+        from captionflow.service import hold as service
 
         service.start_early(cfg, model, engine)
     return PreflightResult(model=model, judge=judge, engine=engine, judge_engine=judge_engine, clip=clip)
@@ -131,8 +131,8 @@ def check_inputs(cfg: RunConfig, models: list[str] | None = None) -> None:
 def prewarm_workers(cfg: RunConfig, engine: EngineSettings) -> None:
     """Workers for the inference pipeline's first tasks (its reads, its requests), at most half the cluster's
     CPUs."""
-    from captionflow.pipeline.session import ray_session
-    from captionflow.pipeline.worker_prewarm import start
+    from captionflow.engines.session import ray_session
+    from captionflow.engines.worker_prewarm import start
 
     cpus = ray_session(cfg).resources().get("CPU", 1)
     start(min(engine.map_concurrency + 4, int(cpus // 2)))
@@ -257,7 +257,7 @@ def resolve_device(cfg: RunConfig) -> tuple[str, int, bool]:
     """(device preset name, GPUs, local Ray) without starting a local Ray: this machine's GPUs through
     NVML; a cluster's from Ray (connecting to it)."""
     if cluster_address(cfg):
-        from captionflow.pipeline.session import ray_session
+        from captionflow.engines.session import ray_session
 
         gpus = ray_session(cfg).gpus()
         local = False

@@ -7,10 +7,12 @@ field here and bump the cache-key version in ``tasks/results.py``.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from captionflow.model_source import ClipModel, ResolvedModel
-from captionflow.pipeline.engine import EngineSettings
+
+if TYPE_CHECKING:  # the engines' settings travel in the preflight's result; the contracts sit below the engines
+    from captionflow.engines.engine import EngineSettings
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,7 @@ class PairwiseResult:
 
 @dataclass
 class ClipResult:
-    """The reference-free CLIPScore pass of one run (captionflow/pipeline/clip_score.py)."""
+    """The reference-free CLIPScore pass of one run (captionflow/stages/clip_score.py)."""
 
     clip_model: str
     clip_dir: str
@@ -215,7 +217,7 @@ class RunSummary:
     model_fingerprint: str = ""
     flow_run_id: str = ""
     regression: Optional[dict[str, Any]] = None  # the alert's payload when the checkpoint regressed
-    deadline: Optional[dict[str, Any]] = None  # met or missed (pipeline/deadline.Deadline.outcome); None: no deadline
+    deadline: Optional[dict[str, Any]] = None  # met or missed (deadline.Deadline.outcome); None: no deadline
 
     @classmethod
     def build(

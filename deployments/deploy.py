@@ -189,9 +189,9 @@ def ensure_automations(block_id, deadline: str | None = None) -> dict[str, str]:
     from prefect.events.actions import SendNotification
     from prefect.events.schemas.automations import EventTrigger, Posture
 
+    from captionflow.deadline import EVENT as AT_RISK
+    from captionflow.deadline import duration_s
     from captionflow.evaluation.regression import EVENT as REGRESSED
-    from captionflow.pipeline.deadline import EVENT as AT_RISK
-    from captionflow.pipeline.deadline import duration_s
     from flows.watch import FINAL_STATES, watched_event
 
     def on(expect: set[str], resource: dict, related: dict | None = None) -> EventTrigger:

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from captionflow.config import GROUPS, RunConfig, grouped_fields  # noqa: E402
-from captionflow.pipeline.presets import PRESETS  # noqa: E402
+from captionflow.engines.presets import PRESETS  # noqa: E402
 from captionflow.workers.images import REASONS  # noqa: E402
 
 

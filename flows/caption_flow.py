@@ -14,8 +14,8 @@ from __future__ import annotations
 from prefect import flow, runtime
 from prefect.utilities.annotations import opaque
 
+from captionflow import deadline
 from captionflow.config import RunConfig
-from captionflow.pipeline import deadline
 from captionflow.results import RunSummary
 from flows import watch
 from flows.parameters import with_config_parameters

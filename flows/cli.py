@@ -326,12 +326,12 @@ MAX_PLAN_GPUS = 1024
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """How many GPUs caption --images by --deadline, from the measured rates (captionflow/pipeline/plan.py); for
+    """How many GPUs caption --images by --deadline, from the measured rates (captionflow/runs/plan.py); for
     --model or --arch (and other pixels or tokens) scaled by FLOPs per image."""
     from datetime import UTC, datetime
 
-    from captionflow.pipeline import plan as planning
-    from captionflow.pipeline.deadline import human, parse
+    from captionflow.deadline import human, parse
+    from captionflow.runs import plan as planning
 
     try:
         now = datetime.now(UTC)
@@ -382,7 +382,7 @@ def _plan_fit(config: dict, model: str | None, quantization: str | None, device:
     """Why the model does not fit one GPU of ``device`` in one engine ('' where it does, or it is not known)."""
     import tempfile
 
-    from captionflow.pipeline.presets import GPU, model_weight_bytes, too_large
+    from captionflow.engines.presets import GPU, model_weight_bytes, too_large
 
     gib = GPU_MEMORY_GIB.get(device)
     if not gib:
@@ -430,9 +430,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import time
 
-    from captionflow.pipeline.session import cluster_address, ray_session
+    from captionflow.engines.address import local_service_address, service_file
+    from captionflow.engines.session import cluster_address, ray_session
     from captionflow.service import controller as service
-    from captionflow.service.address import local_service_address, service_file
 
     cfg = _config(args)
     if args.stop or args.status:
@@ -448,9 +448,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     if cfg.ray_address is None and os.environ.get("RAY_ADDRESS") is None and local_service_address():
         raise _UserError(f"a warm engine service already runs on this machine ({service_file()})")
-    from captionflow.pipeline.judge import alongside
-    from captionflow.pipeline.presets import PRESETS, local_ray_cpus
+    from captionflow.engines.presets import PRESETS, local_ray_cpus
     from captionflow.preflight import preflight
+    from captionflow.stages.judge import alongside
 
     checked = _flow_call(preflight, cfg=cfg.model_copy(update={"warm_engines": "off"}), prewarm_imports=False)
     preset = PRESETS[checked.engine.preset.name]

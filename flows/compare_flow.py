@@ -5,7 +5,7 @@ uses the GPUs in turn, and the other runs hit the first one's preprocess cache.
 
 ``parallel`` K > 1: the dataset is listed and preprocessed once, here; then the checkpoints are evaluated K at a
 time through prefect-ray's ``RayTaskRunner``, each a caption flow inside one Ray task, the cluster's GPUs split
-between them (``captionflow/pipeline/fanout.py``). Each evaluation has its task, its flow run, its stages' task
+between them (``captionflow/runs/fanout.py``). Each evaluation has its task, its flow run, its stages' task
 runs and artifacts in Prefect, and its own leaderboard row (row files: overlapping writers lose nothing). The Ray
 workers reach the Prefect API through the task's runtime environment (prefect-ray's open issue: they do not
 inherit ``PREFECT_API_URL``).
@@ -25,8 +25,8 @@ from pydantic import Field
 from captionflow.config import RunConfig
 from captionflow.data.storage import Store
 from captionflow.model_source import resolve_model
-from captionflow.pipeline.fanout import EVALUATION_TASK_CPUS
 from captionflow.report.markdown import read_leaderboard
+from captionflow.runs.fanout import EVALUATION_TASK_CPUS
 from flows.caption_flow import caption_flow
 from flows.parameters import flow_parameters, with_config_parameters
 from tasks.ingest import ingest_task
@@ -88,9 +88,9 @@ def evaluate_in_parallel(configs: list[RunConfig], slots: int, env: dict[str, st
 
 
 def _in_parallel(config: RunConfig, configs: list[RunConfig], resolved, parallel: int) -> list[dict]:
-    from captionflow.pipeline.engine import resolve_engine
-    from captionflow.pipeline.fanout import fan_out, worker_env
-    from captionflow.pipeline.session import ray_session
+    from captionflow.engines.engine import resolve_engine
+    from captionflow.engines.session import ray_session
+    from captionflow.runs.fanout import fan_out, worker_env
 
     session = ray_session(config, pipelines=min(parallel, len(configs)))
     with stage_results(config.output):  # once, before the fan-out: every evaluation finds it done (Cached)

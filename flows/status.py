@@ -78,7 +78,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"automations ({len(autos)}): "
                 + (", ".join(f"{a.name!r} {'on' if a.enabled else 'off'}" for a in autos) or "-")
             )
-    from captionflow.service.address import local_service_address
+    from captionflow.engines.address import local_service_address
 
     addr = local_service_address()
     where = f"runs here ({addr}); captionflow serve --status for what it holds" if addr else "none on this machine"

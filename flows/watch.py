@@ -19,7 +19,7 @@ import threading
 from collections.abc import Iterator
 from typing import Optional
 
-from captionflow.pipeline.deadline import duration_s
+from captionflow.deadline import duration_s
 
 WATCHED = "captionflow.run.watched"  # + "." + the deadline in whole seconds
 FINAL_STATES = ("Completed", "Failed", "Crashed", "Cancelled", "TimedOut")
@@ -67,7 +67,7 @@ def _watch_overdue(config) -> threading.Event:
 
     from prefect import runtime
 
-    from captionflow.pipeline.deadline import for_run
+    from captionflow.deadline import for_run
     from tasks.inference import emit_at_risk
 
     due = for_run(config.deadline, config.deadline_margin_s, runtime.flow_run.scheduled_start_time)

@@ -8,8 +8,8 @@ from captionflow.config import RunConfig
 from captionflow.data.fingerprint import digest
 from captionflow.data.layout import CAPTIONS, SCORES, missing_rows
 from captionflow.data.storage import Store
-from captionflow.pipeline.clip_score import clip_parts, run_clip
 from captionflow.results import ClipResult, InferenceResult, Manifest, PreflightResult
+from captionflow.stages.clip_score import clip_parts, run_clip
 from tasks.policy import TIMEOUT_S, retry_transient
 from tasks.results import record_stage, validated
 

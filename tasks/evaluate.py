@@ -11,8 +11,8 @@ from captionflow.config import RunConfig
 from captionflow.data.fingerprint import digest
 from captionflow.data.layout import missing_files
 from captionflow.data.storage import Store
+from captionflow.deadline import for_run
 from captionflow.evaluation.evaluate import evaluate
-from captionflow.pipeline.deadline import for_run
 from captionflow.results import ClipResult, EvalResult, InferenceResult, JudgeResult, Manifest, PairwiseResult
 from tasks.policy import TIMEOUT_S, retry_transient
 from tasks.results import record_stage, validated

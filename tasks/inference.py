@@ -18,10 +18,10 @@ from captionflow.config import RunConfig
 from captionflow.data.fingerprint import digest
 from captionflow.data.layout import CAPTIONS, missing_rows, shard_paths
 from captionflow.data.storage import Store
-from captionflow.pipeline.deadline import EVENT as DEADLINE_EVENT
-from captionflow.pipeline.deadline import for_run, human
-from captionflow.pipeline.inference import caption_run_parts, run_inference
+from captionflow.deadline import EVENT as DEADLINE_EVENT
+from captionflow.deadline import for_run, human
 from captionflow.results import InferenceResult, Manifest, PreflightResult
+from captionflow.stages.inference import caption_run_parts, run_inference
 from tasks.policy import TIMEOUT_S, retry_transient
 from tasks.results import record_stage, validated
 
@@ -61,7 +61,7 @@ class ProgressArtifact:
 
     def __init__(self, folder: str, log_every_s: float = 30.0, deadline=None, at_risk=None):
         self.key = f"inference-progress-{digest(folder, 12)}"
-        # the run's Deadline (pipeline/deadline.py) and what to call, once, when the projection is late by more
+        # the run's Deadline (deadline.py) and what to call, once, when the projection is late by more
         # than its margin: at_risk(slack_s, eta_s, rate, remaining rows)
         self.deadline, self._at_risk, self.at_risk_sent = deadline, at_risk, False
         self.id = None
@@ -219,7 +219,7 @@ def release_early_hold(task, task_run, state) -> None:
     """A hold on the warm engines that preflight took for this run and this stage did not use (its result was
     cached, or it failed before) goes back now, not when it lapses."""
     from captionflow.data.lease import _default_owner
-    from captionflow.service import runs as service
+    from captionflow.service import hold as service
 
     service.end_early(_default_owner())
 

@@ -8,8 +8,8 @@ from captionflow.config import RunConfig
 from captionflow.data.fingerprint import digest
 from captionflow.data.layout import CAPTIONS, SCORES, missing_rows
 from captionflow.data.storage import Store
-from captionflow.pipeline.judge import judge_run_parts, run_judge
 from captionflow.results import InferenceResult, JudgeResult, Manifest, PreflightResult
+from captionflow.stages.judge import judge_run_parts, run_judge
 from tasks.policy import TIMEOUT_S, retry_transient
 from tasks.results import record_stage, validated
 

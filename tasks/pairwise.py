@@ -2,7 +2,7 @@
 
 Not cached by Prefect: its baseline ("previous", "best") is resolved from the leaderboard when it runs. A
 rerun still judges nothing twice - every judgement is committed under a fingerprint of the judge, its prompt
-and the baseline run folder (captionflow/pipeline/pairwise.py) - and starts no engine when none is missing.
+and the baseline run folder (captionflow/stages/pairwise.py) - and starts no engine when none is missing.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from prefect import task
 
 from captionflow.config import RunConfig
-from captionflow.pipeline.pairwise import run_pairwise
 from captionflow.results import InferenceResult, Manifest, PairwiseResult, PreflightResult
+from captionflow.stages.pairwise import run_pairwise
 from tasks.policy import TIMEOUT_S, retry_transient
 from tasks.results import record_stage
 

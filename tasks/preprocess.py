@@ -7,8 +7,8 @@ from prefect import task
 from captionflow.config import RunConfig
 from captionflow.data.layout import missing_dataset
 from captionflow.data.storage import Store
-from captionflow.pipeline.preprocess import preprocess
 from captionflow.results import IngestResult, Manifest
+from captionflow.stages.preprocess import preprocess
 from tasks.policy import TIMEOUT_S, retry_transient
 from tasks.results import record_stage, validated
 

@@ -24,10 +24,10 @@ from typing import Optional
 from captionflow.data.fingerprint import digest
 from captionflow.data.layout import RESULTS_CACHE
 from captionflow.data.storage import Store, storage_options
-from captionflow.pipeline import run_log
+from captionflow.engines import run_log
 from captionflow.results import StageRecord
 
-CACHE_VERSION = "v2"  # bump when a persisted stage result changes type
+CACHE_VERSION = "v3"  # bump when a persisted stage result changes type (or a class in it moves)
 log = logging.getLogger("captionflow.data.cache")
 
 

@@ -24,10 +24,19 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
-def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
-    """Project modules imported anywhere in the file (top level or inside functions)."""
+def _imports(path: Path, modules: dict[str, Path], typing: bool = True) -> set[str]:
+    """Project modules imported anywhere in the file (top level or inside functions); ``typing`` False: not those
+    imported only for type annotations (``if TYPE_CHECKING:``)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skip = set()
+    if not typing:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+                skip |= {id(n) for b in node.body for n in ast.walk(b)}
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         names = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -41,9 +50,9 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(typing: bool = True) -> dict[str, set[str]]:
     modules = _modules()
-    return {m: _imports(p, modules) - {m} for m, p in modules.items()}
+    return {m: _imports(p, modules, typing) - {m} for m, p in modules.items()}
 
 
 def test_the_library_imports_nothing_above_it():
@@ -76,6 +85,68 @@ def test_the_import_graph_has_no_cycle():
         if m not in state:
             cycle = visit(m)
             assert cycle is None, " -> ".join(cycle)
+
+
+# The library in floors, lowest first. A module imports from its own package, from lower floors, and, on the
+# foundation only, from the other packages of its floor: the engines know nothing of the warm engine service or the
+# stages that use them; the service and the run's bookkeeping stand beside each other on the engines, neither
+# importing the other; the stages (and preflight, which checks what they will use) use all of it.
+FLOORS = [
+    (  # the foundation: contracts, data, statistics, reports, what runs in workers
+        "captionflow.errors",
+        "captionflow.processes",
+        "captionflow.config",
+        "captionflow.deadline",
+        "captionflow.results",
+        "captionflow.model_source",
+        "captionflow.data",
+        "captionflow.workers",
+        "captionflow.builtin",
+        "captionflow.compat",
+        "captionflow.evaluation",
+        "captionflow.report",
+    ),  # fmt: skip
+    ("captionflow.engines",),
+    ("captionflow.service", "captionflow.runs"),
+    ("captionflow.stages", "captionflow.preflight"),
+]
+
+
+def _floor(module: str) -> tuple[int, str]:
+    """(floor, package) of a library module."""
+    for i, packages in enumerate(FLOORS):
+        for p in packages:
+            if module == p or module.startswith(p + "."):
+                return i, p
+    raise AssertionError(f"{module} is on no floor (add it to FLOORS)")
+
+
+def test_the_library_imports_only_downwards():
+    climbs, sideways = [], []
+    for m, deps in _graph(typing=False).items():  # an annotation names a class of a floor above, it uses nothing
+        if m.split(".")[0] != "captionflow" or m == "captionflow":
+            continue
+        floor, package = _floor(m)
+        for d in deps:
+            if d == "captionflow":
+                continue
+            f, p = _floor(d)
+            if f > floor:
+                climbs.append(f"{m} -> {d}")
+            elif f == floor and p != package and floor > 0:
+                sideways.append(f"{m} -> {d}")
+    assert not climbs, climbs
+    assert not sideways, sideways
+
+
+def test_the_floors_are_the_packages_there_are():
+    """Every library package is on a floor, and the engine floor holds what starts engines."""
+    for m in _modules():
+        if m.startswith("captionflow."):
+            _floor(m)
+    assert {"captionflow.engines.session", "captionflow.engines.processor", "captionflow.engines.engine"} <= set(
+        _modules()
+    )
 
 
 # Worker modules that run a model import torch inside the actor that loads it, never at module level (the

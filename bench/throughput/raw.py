@@ -13,7 +13,7 @@ from bench.throughput.measure import PROMPT, SYSTEM_PROMPT, rate_10_90, rates
 
 # ---------------------------------------------------------------- phase A: raw vLLM (child process)
 def phase_raw(a: argparse.Namespace) -> dict:
-    from captionflow.pipeline.presets import PRESETS
+    from captionflow.engines.presets import PRESETS
 
     preset = PRESETS[a.device]
 

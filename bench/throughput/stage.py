@@ -44,13 +44,13 @@ def phase_stage(a: argparse.Namespace) -> dict:
     import logging
 
     from captionflow.data.sources import ingest
+    from captionflow.engines.engine import resolve_engine
+    from captionflow.engines.processor import max_pending_requests
+    from captionflow.engines.session import ray_session
     from captionflow.errors import RowsFailed
     from captionflow.model_source import resolve_model
-    from captionflow.pipeline.engine import resolve_engine
-    from captionflow.pipeline.inference import run_inference
-    from captionflow.pipeline.preprocess import preprocess
-    from captionflow.pipeline.processor import max_pending_requests
-    from captionflow.pipeline.session import ray_session
+    from captionflow.stages.inference import run_inference
+    from captionflow.stages.preprocess import preprocess
 
     # captionflow's own lines (the stall watchdog's minute-by-minute account above all) into the phase's log
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

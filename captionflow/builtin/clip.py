@@ -3,7 +3,7 @@
 Like the built-in VLM, nothing is downloaded and the same captionflow version writes the same bytes: a
 Hugging Face ``CLIPModel`` (2-layer text and vision towers, 64 px images), a byte-level BPE tokenizer trained
 on the same text as the VLM's (with CLIP's start and end tokens), and a ``CLIPImageProcessor`` config. Its
-scores are meaningless by construction; the machinery (``captionflow/pipeline/clip_score.py``) is real and
+scores are meaningless by construction; the machinery (``captionflow/stages/clip_score.py``) is real and
 takes any CLIP-family checkpoint folder (``--clip-model``).
 """
 

@@ -10,7 +10,7 @@ Can go when the GPU host runs vLLM 0.29 or later, which warms the processor itse
 this is redundant and harmless).
 
 ``install`` is Ray's ``worker_process_setup_hook`` for the job (``SETUP_HOOK``, set by
-``captionflow.pipeline.session.ray_session`` for the GPU preset and on a Ray cluster; Ray ignores one given to a
+``captionflow.engines.session.ray_session`` for the GPU preset and on a Ray cluster; Ray ignores one given to a
 single actor). It imports no vLLM: when vLLM's
 modules in ``PATCHES`` are imported later in a worker, (1) ``InputProcessor`` is wrapped so that, once
 constructed (before the engine core - a separate process - has loaded and compiled the model), a

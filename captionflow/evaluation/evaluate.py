@@ -229,7 +229,7 @@ def bootstrap_beside_verdict(
 
 
 def clip_per_image(clip_dir: str) -> dict[str, float]:
-    """image id -> its CLIPScore (captionflow/pipeline/clip_score.py)."""
+    """image id -> its CLIPScore (captionflow/stages/clip_score.py)."""
     return read_scores(clip_dir, "clip_score")
 
 

@@ -196,7 +196,7 @@ def slice_lines(slices: list[dict]) -> list[str]:
 
 
 def pairwise_lines(p: dict) -> list[str]:
-    """The pairwise judge's verdict (captionflow/pipeline/pairwise.py) as a section."""
+    """The pairwise judge's verdict (captionflow/stages/pairwise.py) as a section."""
     if not p.get("baseline_model"):
         return ["## Pairwise judge", "", f"Not judged: {p['note']}.", ""]
     st = p.get("stats")

@@ -36,12 +36,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from captionflow.data.fingerprint import digest, file_digests
+from captionflow.engines.address import service_file
+from captionflow.engines.engine import EngineSettings
+from captionflow.engines.session import WORKER_ENV
 from captionflow.errors import CaptionflowError
 from captionflow.model_source import ResolvedModel
-from captionflow.pipeline.engine import EngineSettings
-from captionflow.pipeline.session import WORKER_ENV
 from captionflow.processes import alive, process_started
-from captionflow.service.address import service_file
 from captionflow.service.replica import ENGINE
 
 log = logging.getLogger("captionflow.service")

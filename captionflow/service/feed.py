@@ -273,3 +273,43 @@ def _end(started) -> None:
     _, executor = started
     if executor is not None:
         executor.shutdown(True)  # once: a second call returns at once
+
+
+def warm_processor(config, warm, engine, preprocess, postprocess, map_kwargs: dict, ordered: bool = False):
+    """A Ray Data LLM Processor without an engine stage: its preprocess builds the request rows in the run's
+    tasks, and the driver hands them to the warm engine service's replicas, which run the engine stage
+    (``WarmRows``); the processor's postprocess then runs on the rows they return."""
+    import ray.data
+    from ray.llm._internal.batch.processor.base import Processor
+
+    # The requests are built here, by the run, while the service's engines are up from the first second: no
+    # backlog builds up while engines start, as in a cold run, so two tasks per engine build them
+    # (docs/sizing.md).
+    preprocess_kwargs = {
+        **map_kwargs,
+        "compute": ray.data.TaskPoolStrategy(size=max(engine.map_concurrency, 2 * len(warm.apps))),
+    }
+    processor = Processor(
+        config, [], preprocess=preprocess, postprocess=postprocess, preprocess_map_kwargs=preprocess_kwargs
+    )
+    # as many blocks (of batch_size rows) in flight to each engine as a cold run's engine actor takes batches
+    rows = functools.partial(
+        WarmRows,
+        warm=warm,
+        processor=processor,
+        blocks_per_engine=engine.max_concurrent_batches,
+        batch_rows=engine.batch_size,
+        ordered=ordered,
+    )
+    return WarmProcessor(processor, rows)
+
+
+class WarmProcessor:
+    """A warm pass's processor: called on a dataset as a Ray Data LLM Processor is, it gives the pass's rows
+    (``service/feed.WarmRows``); ``processor``: its preprocess and postprocess (a judge's: ``WarmRows.then``)."""
+
+    def __init__(self, processor, rows: Callable):
+        self.processor, self._rows = processor, rows
+
+    def __call__(self, ds):
+        return self._rows(ds.map(self.processor.preprocess, **self.processor.preprocess_map_kwargs))

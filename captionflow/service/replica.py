@@ -77,7 +77,7 @@ class CaptionEngine:
         # A Serve replica does not run the job's worker setup hook: without it the first request of a new
         # service built the HF processor again on the front end (vllm_warmup), as an engine actor would.
         vllm_warmup.install()
-        from captionflow.pipeline.processor import build_vlm_processor
+        from captionflow.engines.processor import build_vlm_processor
 
         t0 = time.perf_counter()
         processor = build_vlm_processor(engine, model_path, preprocess=None, postprocess=None)

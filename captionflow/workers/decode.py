@@ -2,7 +2,7 @@
 
 A Ray worker imports the module of the function it runs: this one needs only Pillow, pyarrow and
 fsspec, not Prefect or Ray (importing Prefect costs each worker over a second of CPU, a large share of
-a small job on few cores). The driver's side is ``captionflow/pipeline/preprocess.py``.
+a small job on few cores). The driver's side is ``captionflow/stages/preprocess.py``.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _watch() -> None:
 
 def start_watchdog(seconds: float | None) -> None:
     """End this process when one image takes longer than ``seconds`` to decode and normalise: a file
-    that hangs its decoder then costs its worker, like one that crashes it (see ``captionflow/pipeline/preprocess.py``:
+    that hangs its decoder then costs its worker, like one that crashes it (see ``captionflow/stages/preprocess.py``:
     the block is retried, then its items run alone, and the one that hangs again is quarantined).
     One thread per process; each call sets the limit it applies from then on (None or 0: none)."""
     _TIMEOUT[0] = float(seconds or 0)
@@ -316,7 +316,7 @@ def keep_freed_memory() -> bool:
 
 class ItemProcessor:
     """``process_item`` over a block of work items, with the stage's parameters bound: the callable
-    class that the preprocess stage's Ray Data actor pool runs (see ``captionflow/pipeline/preprocess.py`` for why
+    class that the preprocess stage's Ray Data actor pool runs (see ``captionflow/stages/preprocess.py`` for why
     actors, not tasks). A block in, one Arrow table of results out, built here with its schema
     (a per-row ``flat_map`` had Ray Data hand each row over and infer the column types)."""
 

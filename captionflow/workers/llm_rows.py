@@ -5,7 +5,7 @@ standard library, not Prefect (2.7 s of CPU per worker process on 2 cores) - on 
 postprocess tasks start worker processes while the engines' front ends need the CPU.
 
 Request builders make each request ready for the engine stage - the prompt rendered from the run's
-``ImagePrompt`` and the image as an array (``engine_request``; ``pipeline/request_format.py``) - and *remove*
+``ImagePrompt`` and the image as an array (``engine_request``; ``engines/request_format.py``) - and *remove*
 the preprocessed image bytes from the row: Ray Data LLM carries every input column through every stage
 (``wrap_preprocess`` keeps the row it is given), and the bytes are only needed once, to make the array.
 """
@@ -164,7 +164,7 @@ def caption_fixed_schema(row: dict, *, model_fp: str, attempt: int) -> dict:
 
 # ---------------------------------------------------------------- captioning and judging in one pass
 # A sequential verdict on the judge's score or the pairwise win, cold on CPU: each caption goes on to the judge's
-# engines as it is made (``pipeline/judge.py``, ``SequentialJudging``); a result row is the caption row with its
+# engines as it is made (``stages/judge.py``, ``SequentialJudging``); a result row is the caption row with its
 # judgement under ``judged`` (None where the caption failed: it never reached the judge).
 JUDGE_IMAGE = "judge_image"
 

@@ -1,7 +1,7 @@
 """captionflow's own lines in a Ray worker's output: ``captionflow HH:MM:SS: <message>`` on stderr.
 
 Ray keeps each worker's stderr in its session logs and streams it to the driver, whose run log
-(``pipeline/run_log.py``) forwards these lines (and the benchmarks time a run by them).
+(``engines/run_log.py``) forwards these lines (and the benchmarks time a run by them).
 """
 
 from __future__ import annotations

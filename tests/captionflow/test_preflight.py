@@ -150,10 +150,10 @@ def test_a_model_too_large_for_the_gpu_is_one_line_before_any_engine_and_fp8_is_
     captions are apart from 16-bit ones (FP8 is in the generation fingerprint)."""
     from captionflow.builtin.standin import build_standin
     from captionflow.data.fingerprint import generation_fingerprint
+    from captionflow.engines.engine import resolve_engine
+    from captionflow.engines.presets import GPU
     from captionflow.errors import ModelTooLarge
     from captionflow.model_source import resolve_model
-    from captionflow.pipeline.engine import resolve_engine
-    from captionflow.pipeline.presets import GPU
 
     model = resolve_model(str(build_standin("qwen2.5-vl-72b", tmp_path / "72b")), dummy_weights=True)
     cfg = RunConfig(device="gpu", gpu_memory_gib=80, engine_kwargs={"load_format": "dummy"})

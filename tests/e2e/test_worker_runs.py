@@ -124,7 +124,7 @@ def test_a_custom_run_setting_only_max_tokens_keeps_the_deployments_other_values
 def test_a_gpu_run_on_a_cpu_worker_fails_fast_naming_the_gpu(worker_pool):
     from prefect.client.orchestration import get_client
 
-    from captionflow.pipeline.device import local_gpus
+    from captionflow.engines.device import local_gpus
 
     if local_gpus():
         pytest.skip("this machine has a GPU")

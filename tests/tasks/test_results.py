@@ -9,7 +9,7 @@ from prefect import flow, task
 
 from captionflow.config import RunConfig
 from captionflow.data.layout import RESULTS_CACHE
-from tasks.results import record_stage, stage_results, validated
+from tasks.results import CACHE_VERSION, record_stage, stage_results, validated
 
 CALLS: list[str] = []
 
@@ -46,7 +46,7 @@ def test_cached_results_are_reused_only_while_their_outputs_exist(prefect_api, t
     cfg = RunConfig(output=str(tmp_path))
     CALLS.clear()
     assert tiny(cfg, "a") == ["made a", [("make", "Completed")]]
-    assert (tmp_path / RESULTS_CACHE / "make-v2-a").exists()  # persisted under the output root
+    assert (tmp_path / RESULTS_CACHE / f"make-{CACHE_VERSION}-a").exists()  # persisted under the output root
     assert tiny(cfg, "a") == ["made a", [("make", "Cached")]]
     assert CALLS == ["a"]
     (tmp_path / "a").unlink()  # the output the cached result stands for is gone

@@ -54,7 +54,7 @@ def test_raw_vllm_loads_builtin_model_and_captions_an_image(builtin_model_dir, m
     from PIL import Image
     from vllm import LLM, SamplingParams
 
-    from captionflow.pipeline.presets import CPU
+    from captionflow.engines.presets import CPU
 
     llm = LLM(
         model=str(builtin_model_dir),

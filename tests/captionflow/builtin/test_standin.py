@@ -5,8 +5,8 @@ import json
 import pytest
 
 from captionflow.builtin.standin import QWEN_IDS, QWEN_REGULAR_TOKENS, build_standin
+from captionflow.engines.presets import CPU, GPU, engines_per_gpu, model_weight_bytes
 from captionflow.model_source import ModelError, resolve_model
-from captionflow.pipeline.presets import CPU, GPU, engines_per_gpu, model_weight_bytes
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_fp8_weights_take_about_half_but_the_embeddings_and_one_engine_per_gpu_f
 
 
 def test_a_model_too_large_for_the_gpu_says_what_would_fit_it(large):
-    from captionflow.pipeline.presets import too_large
+    from captionflow.engines.presets import too_large
 
     gib = 2**30
     w72, w72_fp8 = model_weight_bytes(str(large["72b"])), model_weight_bytes(str(large["72b"]), "fp8")

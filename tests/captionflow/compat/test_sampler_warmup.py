@@ -8,9 +8,9 @@ import json
 from captionflow.builtin.model import ensure_builtin_model
 from captionflow.compat import sampler_warmup
 from captionflow.config import RunConfig
+from captionflow.engines.engine import resolve_engine
+from captionflow.engines.presets import CPU
 from captionflow.model_source import resolve_model
-from captionflow.pipeline.engine import resolve_engine
-from captionflow.pipeline.presets import CPU
 
 
 def test_the_warm_up_samples_as_the_runs_requests_do(monkeypatch):

@@ -11,9 +11,9 @@ from PIL import Image
 from captionflow.config import RunConfig
 from captionflow.data.fingerprint import generation_fingerprint
 from captionflow.data.sources import ingest
+from captionflow.engines.engine import resolve_engine
+from captionflow.engines.presets import CPU, GPU
 from captionflow.model_source import resolve_model
-from captionflow.pipeline.engine import resolve_engine
-from captionflow.pipeline.presets import CPU, GPU
 
 
 def test_two_datasets_with_the_same_names_sizes_and_times_are_two_datasets(tmp_path):

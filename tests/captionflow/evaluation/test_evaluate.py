@@ -13,8 +13,8 @@ from captionflow.data.layout import CAPTIONS, run_parts
 from captionflow.data.sources import ingest
 from captionflow.data.storage import Store
 from captionflow.evaluation.evaluate import evaluate
-from captionflow.pipeline.preprocess import preprocess
 from captionflow.results import InferenceResult
+from captionflow.stages.preprocess import preprocess
 from captionflow.workers.llm_rows import CAPTION_SCHEMA
 from tests.support.browser import DomCounts
 

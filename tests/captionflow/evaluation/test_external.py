@@ -15,7 +15,7 @@ from captionflow.data.sources import ingest
 from captionflow.data.storage import Store
 from captionflow.errors import DatasetError
 from captionflow.evaluation.external import external_name, import_captions, read_caption_file
-from captionflow.pipeline.preprocess import preprocess
+from captionflow.stages.preprocess import preprocess
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,12 @@ import time
 import pytest
 
 from captionflow.config import RunConfig
+from captionflow.engines.engine import resolve_engine
+from captionflow.engines.presets import CPU
+from captionflow.engines.processor import build_vlm_processor
+from captionflow.engines.session import ray_session
 from captionflow.model_source import resolve_model
-from captionflow.pipeline.engine import resolve_engine
-from captionflow.pipeline.presets import CPU
-from captionflow.pipeline.processor import build_vlm_processor
-from captionflow.pipeline.session import ray_session
+from captionflow.service import hold
 from captionflow.service.feed import GATE
 from captionflow.workers.llm_rows import caption_fixed_schema, to_caption
 
@@ -115,6 +116,8 @@ class Warm:
         if self.error is not None:
             raise self.error
         return self
+
+    processor = hold.WarmEngine.processor  # the real one: the warm processor over these engines
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,12 @@ import time
 import pytest
 
 from captionflow.config import RunConfig
+from captionflow.engines.engine import resolve_engine
+from captionflow.engines.presets import CPU
+from captionflow.engines.session import ray_session
 from captionflow.model_source import resolve_model
-from captionflow.pipeline.engine import resolve_engine
-from captionflow.pipeline.presets import CPU
-from captionflow.pipeline.session import ray_session
 from captionflow.service import controller as service
-from captionflow.service import runs
+from captionflow.service import hold
 
 
 def test_a_hold_that_is_not_renewed_lapses_and_the_next_run_gets_the_engines():
@@ -57,7 +57,7 @@ def controller(builtin_model_dir, monkeypatch):
         warm.apps, warm.how = ["captionflow-0"], "swapped"
         warm.done.set()
 
-    monkeypatch.setattr(runs, "_load", load)
+    monkeypatch.setattr(hold, "_load", load)
     actor = ray.remote(service.ServiceController).options(name=service.CONTROLLER, namespace=service.NAMESPACE)
     c = actor.remote(0)
     yield c, cfg, model, engine, loads
@@ -68,29 +68,29 @@ def test_a_hold_taken_at_preflight_goes_to_the_inference_stage_or_back(controlle
     import ray
 
     c, cfg, model, engine, loads = controller
-    assert runs.start_early(cfg, model, engine)
+    assert hold.start_early(cfg, model, engine)
     held = ray.get(c.describe.remote())["holder"]
     assert held and loads == [held["token"]]  # loading at preflight
-    with runs.use(model, engine, "the same run", wait_s=5) as warm:
+    with hold.use(model, engine, "the same run", wait_s=5) as warm:
         assert warm.token == held["token"] and warm.wait().how == "swapped"
         assert loads == [held["token"]]  # taken over: not acquired or loaded again
     assert ray.get(c.describe.remote())["holder"] is None
 
     # a hold no inference stage takes: given back by the run's end (its inference was cached) ...
-    assert runs.start_early(cfg, model, engine)
+    assert hold.start_early(cfg, model, engine)
     owner = ray.get(c.describe.remote())["holder"]["owner"]
-    runs.end_early(owner)
+    hold.end_early(owner)
     assert ray.get(c.describe.remote())["holder"] is None
     # ... or once EARLY_HOLD_S has passed (the run failed before its inference stage)
-    monkeypatch.setattr(runs, "EARLY_HOLD_S", 0.5)
-    assert runs.start_early(cfg, model, engine)
+    monkeypatch.setattr(hold, "EARLY_HOLD_S", 0.5)
+    assert hold.start_early(cfg, model, engine)
     deadline = time.monotonic() + 30
     while ray.get(c.describe.remote())["holder"] is not None:
         assert time.monotonic() < deadline
         time.sleep(0.2)
     # the service held by another run: preflight does not wait for it
     other = ray.get(c.try_acquire.remote("another run"))["token"]
-    assert not runs.start_early(cfg, model, engine)
+    assert not hold.start_early(cfg, model, engine)
     ray.get(c.release.remote(other))
 
 
@@ -103,7 +103,7 @@ def test_a_run_takes_the_services_judge_engines_only_where_they_hold_its_judge_w
     engine = resolve_engine(RunConfig(device="cpu"), judge, CPU)
     kept = {"apps": ["captionflow-judge-0"], "model": "builtin", "model_fingerprint": judge.fingerprint}
     kept["spec"] = service.engine_spec(judge, engine)
-    warm = runs.WarmEngine(["captionflow-0"], "fp", "token", kept)
+    warm = hold.WarmEngine(["captionflow-0"], "fp", "token", kept)
     assert warm.judges(judge, engine) is None
     judges = warm.judge_engines()
     assert judges.apps == ["captionflow-judge-0"] and judges.model_fingerprint == judge.fingerprint
@@ -112,4 +112,4 @@ def test_a_run_takes_the_services_judge_engines_only_where_they_hold_its_judge_w
     assert "judge engines hold builtin, not" in warm.judges(other, engine)
     pixels = resolve_engine(RunConfig(device="cpu", max_pixels=64 * 64), judge, CPU)  # settings that change answers
     assert "judge engines hold builtin" in warm.judges(judge, pixels)
-    assert "keeps no judge engines" in runs.WarmEngine(["captionflow-0"], "fp", "token").judges(judge, engine)
+    assert "keeps no judge engines" in hold.WarmEngine(["captionflow-0"], "fp", "token").judges(judge, engine)

@@ -47,9 +47,9 @@ def test_worker_modules_do_not_import_prefect():
 
 
 def test_inference_and_judge_hand_ray_the_light_functions():
-    import captionflow.pipeline.inference as inference
-    import captionflow.pipeline.judge as judge
-    import captionflow.pipeline.processor as processor
+    import captionflow.engines.processor as processor
+    import captionflow.stages.inference as inference
+    import captionflow.stages.judge as judge
 
     assert inference.caption_request.__module__ == "captionflow.workers.llm_rows"
     assert processor.read_pending_rows.__module__ == "captionflow.workers.llm_rows"
@@ -153,7 +153,7 @@ def test_every_answer_the_pairwise_regex_allows_is_json_that_parses():
 
 
 def test_a_judge_after_the_captioner_takes_its_caption_and_image_and_passes_its_failures_on():
-    """One pass of captioner then judge (pipeline/judge.SequentialJudging): the rows as Ray Data LLM hands them on."""
+    """One pass of captioner then judge (stages/judge.SequentialJudging): the rows as Ray Data LLM hands them on."""
     import functools
 
     from captionflow.workers.llm_rows import (

@@ -1,1 +1,0 @@
-"""What starts or drives a Ray job: the Ray session, presets, engine settings, the stages that run on Ray."""
