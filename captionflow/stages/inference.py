@@ -1,89 +1,37 @@
-"""Stage 3, inference: a caption for every accepted row, through Ray Data LLM and the vLLM engine.
+"""Stage 3, inference: a caption for every accepted row, through Ray Data LLM and the vLLM engine, and the run's
+sequential verdict as the captions come.
 
-One Ray Data job per pass (``processor.py``), streamed into the commit ledger (``ledger.py``) while this
-run holds the lease on its run folder (``captionflow/data/lease.py``): a rerun sends only the rows not yet
-committed, a concurrent run on the same folder waits and then finds them committed, and rows the engine
-rejects are retried in later passes. Captions of the same image by the same checkpoint with the same
-settings in another run folder (the dataset gained or lost files around it) are reused, not recomputed.
+The pass itself (the run folder's lease, the ledger's commits, reuse, the engines warm or cold, the passes) is
+``caption_pass.CaptionPass``; this stage says what takes its captions as they come: the sequential verdict on
+CIDEr-D or CLIPScore (``sequential_verdict``) or the judge beside the captioner for a verdict on the judge's score
+or the pairwise win (``judging_alongside``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import dataclasses
-import functools
 import logging
-import os
-import time
 from typing import Optional
 
-import pyarrow as pa
-import pyarrow.compute as pc
-
 from captionflow.config import RunConfig
-from captionflow.data.fingerprint import generation_fingerprint
-from captionflow.data.layout import CAPTIONS, SCORES, caption_failures, read_captions, run_parts, shard_paths
-from captionflow.data.lease import Lease
+from captionflow.data.layout import caption_failures, read_captions
 from captionflow.data.storage import Store
 from captionflow.engines.engine import EngineSettings
-from captionflow.engines.processor import build_vlm_processor, fitted_folder, map_task_kwargs, read_pending
-from captionflow.engines.request_format import image_prompt
-from captionflow.engines.session import ray_session
-from captionflow.engines.staging import staged
-from captionflow.errors import BaselineError, DatasetError, RowsFailed
+from captionflow.errors import BaselineError, DatasetError
 from captionflow.evaluation.cider import FixedIdfCider
-from captionflow.evaluation.sequential import VERDICT_SCORES, PrefixVerdict, paired_differences, verdict_line
+from captionflow.evaluation.sequential import VERDICT_SCORES, PrefixVerdict, paired_differences
 from captionflow.model_source import ClipModel, ResolvedModel
 from captionflow.results import InferenceResult, Manifest
 from captionflow.runs.baseline import baseline_order, baseline_verdict, resolve_baseline
-from captionflow.runs.ledger import Ledger, Progress, run_passes
-from captionflow.service import hold as service
+from captionflow.runs.ledger import Progress
+from captionflow.stages.caption_pass import CaptionPass, CaptionVerdict, Consumer, caption_run_parts
 from captionflow.stages.clip_score import PrefixClipScore
 from captionflow.stages.judge import SequentialJudging, alongside, judge_score_judging
 from captionflow.stages.pairwise import pairwise_judging
-from captionflow.workers.llm_rows import (
-    CAPTION_SCHEMA,
-    caption_fixed_schema,
-    caption_request,
-    to_caption,
-    to_judged_caption,
-)
+
+__all__ = ["caption_run_parts", "run_inference", "sequential_verdict", "judging_alongside"]
 
 log = logging.getLogger("captionflow.inference")
-
-# Testing hook: a comma-separated list of image ids whose *first* attempt is sent to the engine
-# with invalid sampling parameters (temperature -1), so the real engine rejects that row.
-INJECT_ENV = "CAPTIONFLOW_INJECT_ROW_FAILURES"
-
-
-def caption_run_parts(
-    cfg: RunConfig, manifest: Manifest, model: ResolvedModel, engine: EngineSettings
-) -> tuple[str, ...]:
-    return run_parts(manifest.dataset_fingerprint, model.fingerprint, generation_fingerprint(cfg, engine))
-
-
-def reuse_captions(store: Store, run: tuple[str, ...], ledger: Ledger, pending: set[str], done: set[str]) -> int:
-    """Commit, as they are, the captions of ``pending`` images found in other run folders of the same
-    checkpoint and generation settings (other datasets); returns how many."""
-    own = store.path(*run, CAPTIONS)
-    found = 0
-    for folder in sorted(store.fs.glob(store.path("runs", "*", run[2], run[3], CAPTIONS))):
-        if not pending or folder.rstrip("/") == own:
-            continue
-        table = store.read_unique(sorted(p for p in store.fs.ls(folder, detail=False) if p.endswith(".parquet")))
-        if table is None:
-            continue
-        table = table.filter(pc.is_in(table["image_id"], value_set=pa.array(sorted(pending), pa.string())))
-        if table.num_rows:
-            rows = table.select(CAPTION_SCHEMA.names).to_pylist()
-            found += ledger.commit_rows_now(rows)
-            ids = {r["image_id"] for r in rows}
-            done |= ids
-            pending -= ids
-    if found:
-        log.info("reused %d captions of the same images, checkpoint and settings from other run folders", found)
-    return found
 
 
 def run_inference(
@@ -96,145 +44,22 @@ def run_inference(
     judge: Optional[ResolvedModel] = None,
     judge_engine: Optional[EngineSettings] = None,
 ) -> InferenceResult:
-    """Caption every accepted row not yet captioned (``clip``: the CLIP checkpoint of a CLIPScore verdict;
-    ``judge``, ``judge_engine``: the judge of a verdict on the judge's score or the pairwise win, which judges the
-    captions as they are made where it can: ``judging_alongside``). Rows that still failed after every pass are
+    """Caption every accepted row not yet captioned (``caption_pass.CaptionPass``), the captions going as they come
+    to the run's sequential verdict, if any: on CIDEr-D or CLIPScore (``clip``: the CLIP checkpoint of a CLIPScore
+    verdict; ``sequential_verdict``), or on the judge's score or the pairwise win (``judge``, ``judge_engine``),
+    judged as they are made where it can (``judging_alongside``). Rows that still failed after every pass are
     counted; more than ``max_failure_rate`` of them raises RowsFailed (with the result)."""
-    t_start = time.perf_counter()
-    store = Store(cfg.output)
-    run = caption_run_parts(cfg, manifest, model, engine)
-    shards = shard_paths(store, manifest)
-    all_ids = store.dataset_ids(shards)
-    timings: dict[str, float] = {}
-    passes = []
-    engines = "per-run"
-    with Lease(store, "/".join(run), what=f"the run folder {store.url(*run)}", wait_s=cfg.lease_wait_s) as lease:
-        store.write_json(
-            {
-                "model": model.source,
-                "model_path": model.path,
-                "model_fingerprint": model.fingerprint,
-                "architecture": model.architecture,
-                "dataset_fingerprint": manifest.dataset_fingerprint,
-                "generation": cfg.generation_params(),
-                "engine": engine.output_params(),
-                "engine_kwargs": engine.engine_kwargs,
-            },
-            *run,
-            "run.json",
-        )
-        ledger = Ledger(
-            store,
-            run,
-            CAPTIONS,
-            CAPTION_SCHEMA,
-            cfg.commit_rows,
-            lease=lease,
-            stall_timeout_s=cfg.stall_timeout_s,
-            what="inference",
-        )
-        done = ledger.committed()
-        resumed_from = len(done & all_ids)
-        reused = reuse_captions(store, run, ledger, all_ids - done, done)
-        if progress:  # the folder is ours: an earlier attempt on it that did not finish is over
-            progress(len(done & all_ids), len(done & all_ids), len(all_ids), 0.0)
-        verdict = (
-            sequential_verdict(cfg, store, run, shards, all_ids, clip, engine.preset.name == "gpu")
-            if cfg.verdict == "sequential"
-            else None
-        )
+
+    def consumer(p: CaptionPass) -> Optional[Consumer]:
+        if cfg.verdict != "sequential":
+            return None
+        gpu = engine.preset.name == "gpu"
+        verdict = sequential_verdict(cfg, p.store, p.run, p.shards, p.ids, clip, gpu)
         if verdict is not None:
-            verdict.observe(read_captions(store, run))  # a rerun or resume continues the same order's prefix
-        judging = judging_alongside(cfg, store, run, engine, all_ids, judge, judge_engine)
-        if judging is not None and judging.observe_committed(store):
-            log.info("the %s's sequential verdict is in from the judgements committed", judging.what)
-        if all_ids - done and not (verdict and verdict.decided) and not (judging and judging.verdict.decided):
-            t0 = time.perf_counter()
-            local = ray_session(cfg).started_here
-            timings["ray_init_s"] = round(time.perf_counter() - t0, 2)
-            with service.for_run(cfg, model, engine) as warm, contextlib.ExitStack() as judge_side:
-                why = warm.judges(judging.judge, judging.engine) if warm is not None and judging is not None else None
-                if why:
-                    log.info("verdict sequential on the %s: %s, so warm engines caption the full set and the judging "
-                             "stops once sure", judging.what, why)  # fmt: skip
-                    judging = None
-                side = judge_path = None
-                if judging is not None:  # its folder is ours for the pass, its checkpoint staged like the captioner's
-                    if warm is not None:
-                        log.info("verdict sequential on the %s: the warm engine service's judge engines judge the "
-                                 "captions as they are made", judging.what)  # fmt: skip
-                        judge_path = judging.judge.path
-                    elif engine.preset.engine_gpus:  # half of each GPU's engines the captioner's, half the judge's
-                        engine = engine.halved()
-                        judging = dataclasses.replace(judging, engine=judging.engine.halved())
-                    side = judge_side.enter_context(_judge_ledger(cfg, store, judging))
-                    if warm is None:
-                        judge_path = judge_side.enter_context(
-                            staged(judging.judge.path, judging.engine.compile_dir, local)
-                        )
-                with staged(model.path, engine.compile_dir, local=local and warm is None) as path:
-                    fitted = fitted_folder(cfg, store, manifest, engine)
-                    rows_for = _caption_rows(
-                        cfg, model, path, engine, store, shards, fitted, warm, ordered=verdict is not None,
-                        judging=judging, judge_path=judge_path,
-                    )  # fmt: skip
-                    decider, stop = (judging.verdict, judging.stop) if judging else (verdict, None)
-                    if verdict is not None:
-                        stop = lambda rows: verdict.observe({r["image_id"]: r["caption"] for r in rows})
-                    passes = run_passes(
-                        ledger,
-                        all_ids,
-                        done,
-                        cfg.row_retries,
-                        rows_for,
-                        progress,
-                        order=decider.order if decider else None,
-                        stop=stop,
-                        side=side,
-                    )
-                if warm is not None:
-                    warm.wait()
-                    engines = f"warm ({warm.how})"
-                    timings["warm_engine_s"] = warm.seconds
-            timings["inference_s"] = round(time.perf_counter() - t_start, 2)
-    if verdict is not None:  # the captions that failed for good leave its order: the rest decides
-        verdict.finish(all_ids - done)
-    captioned = len(done & all_ids)
-    result = InferenceResult(
-        run_dir=store.url(*run),
-        run_parts=run,
-        accepted=len(all_ids),
-        captioned=captioned,
-        failed=len(all_ids) - captioned,
-        resumed_from=resumed_from,
-        passes=passes,
-        timings_s=timings,
-        reused=reused,
-        engines=engines,
-        verdict=verdict.record() if verdict else None,
-    )
-    if verdict:
-        log.info("sequential verdict: %s", verdict_line(result.verdict))
-    elif judging is not None and judging.verdict.decided:
-        log.info("captioning stopped, the %s's sequential verdict is in: %s", judging.what,
-                 verdict_line(judging.verdict.record()))  # fmt: skip
-    if (verdict or judging) and (verdict or judging.verdict).stopped_early:
-        # the images the verdict did not need are not failures: only the last pass's are
-        result.failed = passes[-1].failed if passes and passes[-1].stopped else 0
-    if result.failed:
-        share = result.failed / max(result.accepted, 1)
-        message = (
-            f"{result.failed} of {result.accepted} rows ({share:.0%}) failed after {len(passes)} passes "
-            f"(their errors: {result.run_dir}/failures)"
-        )
-        if share > cfg.max_failure_rate:
-            raise RowsFailed(
-                f"{message}: more than max_failure_rate {cfg.max_failure_rate:.0%}; the run is not "
-                "a result (the captions committed are kept, a rerun retries the rest)",
-                result,
-            )
-        log.warning("%s; a rerun retries them", message)
-    return result
+            return CaptionVerdict(verdict)
+        return judging_alongside(cfg, p.store, p.run, engine, p.ids, judge, judge_engine)
+
+    return CaptionPass(cfg, manifest, model, engine, progress).run_with(consumer)
 
 
 def judging_alongside(
@@ -261,17 +86,6 @@ def judging_alongside(
         return None
     make = pairwise_judging if cfg.verdict_score == "pairwise" else judge_score_judging
     return make(cfg, store, run, ids, caption_failures(store, run), judge, judge_engine)
-
-
-@contextlib.contextmanager
-def _judge_ledger(cfg: RunConfig, store: Store, judging: SequentialJudging):
-    """The ledger of the judgements made alongside the captioning, holding their folder's lease."""
-    what = f"the {judging.what} folder {store.url(*judging.parts)}"
-    with Lease(store, "/".join(judging.parts), what=what, wait_s=cfg.lease_wait_s) as lease:
-        yield Ledger(
-            store, judging.parts, SCORES, judging.task.schema, cfg.commit_rows, lease=lease,
-            stall_timeout_s=cfg.stall_timeout_s, what=judging.what,
-        )  # fmt: skip
 
 
 def sequential_verdict(
@@ -328,70 +142,3 @@ def sequential_verdict(
             "baseline_scores": f"{baseline['run_dir'].rstrip('/')}/clip/{clip.fingerprint}",
         }
     return baseline_verdict(cfg, baseline, order, paired_differences(scorer, theirs), VERDICT_SCORES[score], extra)
-
-
-def _caption_rows(
-    cfg: RunConfig,
-    model: ResolvedModel,
-    model_path: str,
-    engine: EngineSettings,
-    store: Store,
-    shards: list[str],
-    fitted: Optional[str],
-    warm=None,
-    ordered: bool = False,
-    judging: Optional[SequentialJudging] = None,
-    judge_path: Optional[str] = None,
-):
-    """``rows_for(attempt, pending)``: the Ray dataset of caption rows for one pass; the engines load
-    ``model_path`` (the checkpoint, or its staged slot: staging.py); ``fitted``: where the dataset's images
-    fitted to the engine's grid are kept (``processor.fitted_folder``); ``ordered``: the rows go to the engines in
-    ``pending``'s order (a sequential verdict's); ``judging``: each caption goes on to its judge (loaded from
-    ``judge_path``) in the same pass, the rows in that order, each with its judgement (``Ledger.drain``'s side)."""
-    inject = frozenset(x for x in os.environ.get(INJECT_ENV, "").split(",") if x)
-    sampling = {
-        "max_tokens": cfg.max_tokens,
-        "temperature": cfg.temperature,
-        "top_p": cfg.top_p,
-        "seed": cfg.seed,
-        "ignore_eos": cfg.ignore_eos,
-    }
-
-    def rows_for(attempt: int, pending: list[str]):
-        processor = build_vlm_processor(
-            engine,
-            model_path,
-            preprocess=functools.partial(
-                caption_request,
-                image_prompt=image_prompt(model.path),
-                system_prompt=cfg.system_prompt,
-                prompt=cfg.prompt,
-                sampling=sampling,
-                fail_ids=inject if attempt == 0 else frozenset(),
-                grid=engine.image_grid,
-                judged=judging is not None,
-            ),
-            postprocess=functools.partial(
-                to_judged_caption if judging else to_caption,
-                max_tokens=cfg.max_tokens,
-                model_fp=model.fingerprint,
-                attempt=attempt,
-            ),
-            warm=warm,
-            rows=len(pending),
-            ordered=ordered or judging is not None,
-        )
-        columns = ["image_id", "image", "references"] if judging else ["image_id", "image"]
-        ds = read_pending(
-            store.fs, shards, columns, pending, engine, fitted, ordered=ordered or judging is not None,
-            engines=len(warm.apps) if warm is not None else None,  # the first window: a batch for each that serves
-            shard_ids=store.shard_ids(shards),  # read with all_ids
-        )  # fmt: skip
-        if judging:
-            return judging.after(processor(ds), cfg, judge_path, attempt, len(pending), model.fingerprint)
-        return processor(ds).map(
-            functools.partial(caption_fixed_schema, model_fp=model.fingerprint, attempt=attempt),
-            **map_task_kwargs(engine),
-        )
-
-    return rows_for

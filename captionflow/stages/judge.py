@@ -9,6 +9,7 @@ and never counted as judged; the pass resumes like captioning (the same ledger, 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -42,6 +43,9 @@ from captionflow.model_source import ResolvedModel
 from captionflow.results import InferenceResult, JudgeResult, Manifest, PassResult
 from captionflow.runs.baseline import baseline_order, baseline_verdict, resolve_baseline
 from captionflow.runs.ledger import Ledger, run_passes
+from captionflow.service import hold as service
+from captionflow.service.feed import WarmRows
+from captionflow.stages.caption_pass import Consumer
 from captionflow.workers.llm_rows import (
     JUDGE_MAX_TOKENS,
     JUDGE_REGEX,
@@ -245,8 +249,6 @@ def judge_passes(
     this judge (``service.for_judge``), else on engines of their own. ``order`` and ``stop``: a sequential
     verdict's (``run_passes``): the images go to the engines in that order, and the pass ends once ``stop`` says
     so."""
-    from captionflow.service import hold as service
-
     local = ray_session(cfg).started_here
     store = ledger.store
     shards = shard_paths(store, manifest)
@@ -277,16 +279,16 @@ def judge_passes(
 
 
 @dataclass
-class SequentialJudging:
+class SequentialJudging(Consumer):
     """The judging of a sequential verdict on the judge's score or the pairwise win (``verdict_score judge |
     pairwise``): the ``verdict``, the folder its judgements commit to (``parts``, the judge or pairwise stage's)
     and how committed judgement rows become its values (``values``). The judge or pairwise stage feeds it its
-    passes' rows (``stop``); where it can (``alongside``: engines started for the run), the judge judges each
-    caption as it comes out of the captioner's engines, in the captioning's own Ray Data job (``after``), the
-    judgement commits beside the caption, and once the verdict is in the captioning stops too, not only the
-    judging; the stage after it then finds the judgements committed and the same verdict in (``observe_committed``,
-    as a rerun or a resume does). With warm engines the run captions the full set and the stage's judging stops
-    once sure."""
+    passes' rows (``stop``); where it can (``alongside``: engines started for the run, or the warm engine service's
+    judge engines holding this judge), it is the caption pass's consumer (``caption_pass.Consumer``): the judge
+    judges each caption as it comes out of the captioner's engines, in the captioning's own Ray Data job (``after``),
+    the judgement commits beside the caption (``side``), and once the verdict is in the captioning stops too, not
+    only the judging; the stage after it then finds the judgements committed and the same verdict in
+    (``observe_committed``, as a rerun or a resume does)."""
 
     judge: ResolvedModel
     engine: EngineSettings
@@ -296,25 +298,63 @@ class SequentialJudging:
     values: Callable[[list[dict]], dict]
     task: JudgeTask  # what the judge is asked alongside the captioning (of the row's caption)
 
+    judged = True
+
     def observe_committed(self, store: Store) -> bool:
         """Feed the verdict the judgements already committed (a rerun, a resume); True once it is in."""
         t = store.read_unique(store.ls(*self.parts, SCORES, suffix=".parquet"))
         return self.verdict.observe(self.values(t.to_pylist() if t is not None else []))
 
+    def resume(self, store: Store, run: tuple[str, ...]) -> bool:
+        return self.observe_committed(store)
+
     def stop(self, rows: list[dict]) -> bool:
         return self.verdict.observe(self.values(rows))
 
-    def after(self, captions, cfg: RunConfig, judge_path: str, attempt: int, rows: int, model_fp: str):
-        """The pass's result rows: ``captions`` (the captioner's rows, ``to_judged_caption``) judged; warm
-        captions (``feed.WarmRows``) by the warm engine service's judge engines, as they are made."""
-        from captionflow.service.feed import WarmRows
+    observe = stop
 
+    @contextlib.contextmanager
+    def beside(self, cfg: RunConfig, store: Store, warm, engine: EngineSettings, local: bool):
+        """The judge beside the captioner for one caption pass: the warm engine service's judge engines where the
+        captions come from warm engines (None, said in the log, where they do not hold this judge: the run then
+        captions the full set and the judge stage's judging stops once sure), else half of each GPU's engines
+        (``EngineSettings.halved``: the captioner's settings given back) or, on CPU, engines beside the
+        captioner's; its folder's lease held (``side``: its ledger) and its checkpoint staged like the captioner's."""
+        why = warm.judges(self.judge, self.engine) if warm is not None else None
+        if why:
+            log.info("verdict sequential on the %s: %s, so warm engines caption the full set and the judging "
+                     "stops once sure", self.what, why)  # fmt: skip
+            yield None
+            return
+        if warm is not None:
+            log.info("verdict sequential on the %s: the warm engine service's judge engines judge the captions as "
+                     "they are made", self.what)  # fmt: skip
+        elif engine.preset.engine_gpus:  # half of each GPU's engines the captioner's, half the judge's
+            engine, self.engine = engine.halved(), self.engine.halved()
+        what = f"the {self.what} folder {store.url(*self.parts)}"
+        with Lease(store, "/".join(self.parts), what=what, wait_s=cfg.lease_wait_s) as lease:
+            self.side = Ledger(store, self.parts, SCORES, self.task.schema, cfg.commit_rows, lease=lease,
+                               stall_timeout_s=cfg.stall_timeout_s, what=self.what)  # fmt: skip
+            slot = contextlib.nullcontext(self.judge.path) if warm is not None else staged(
+                self.judge.path, self.engine.compile_dir, local
+            )  # fmt: skip
+            with slot as self.judge_path:
+                try:
+                    yield engine
+                finally:
+                    self.side = None
+
+    def after(self, captions, cfg: RunConfig, attempt: int, rows: int, model_fp: str):
+        """The pass's result rows: ``captions`` (the captioner's rows, ``to_judged_caption``) judged by the judge
+        loaded from ``judge_path`` (``beside``); warm captions (``feed.WarmRows``) by the warm engine service's
+        judge engines, as they are made."""
         map_kwargs = map_task_kwargs(self.engine)
         pairs = self.task.fan_out is not None
         fixed = functools.partial(
             judged_fixed_schema, fixed=self.task.fixed, model_fp=model_fp, attempt=attempt, pairs=pairs
         )
         n = rows * (2 if pairs else 1)
+        judge_path = self.judge_path
         if isinstance(captions, WarmRows):
             judges = captions.warm.judge_engines()
             processor = judge_processor(cfg, self.judge, self.engine, self.task, judge_path, attempt, n, True,
