@@ -90,9 +90,9 @@ def prepare(a: argparse.Namespace) -> None:
     elif not a.model:
         from captionflow.builtin.standin import build_standin
 
-        model_dir = work / f"standin-{a.arch}"
+        model_dir = work / (f"standin-{a.arch}" + (f"-{a.standin_quantization}" if a.standin_quantization else ""))
         if not model_dir.exists():
-            build_standin(a.arch, model_dir)
+            build_standin(a.arch, model_dir, a.standin_quantization)
         a.model = str(model_dir)
         a.engine_kwargs = json.dumps({"load_format": "dummy", **json.loads(a.engine_kwargs)})
 
@@ -102,6 +102,7 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=2000, help="synthetic 640x480 JPEGs (ignored with --images)")
     ap.add_argument("--images", help="a folder of images instead of synthetic ones")
     ap.add_argument("--arch", default="qwen2.5-vl-3b", help="stand-in architecture (without --model)")
+    ap.add_argument("--standin-quantization", choices=["fp8"], help="a stand-in stored in FP8 (build_standin)")
     ap.add_argument(
         "--model",
         help="a checkpoint folder with real weights instead of the stand-in "

@@ -526,7 +526,7 @@ def cmd_build_model(args: argparse.Namespace) -> int:
         if not args.dir:
             print("captionflow: --arch needs DIR", file=sys.stderr)
             return 2
-        print(build_standin(args.arch, args.dir))
+        print(build_standin(args.arch, args.dir, args.quantization))
         return 0
     if args.seed and not args.dir:
         print("captionflow: --seed needs DIR (the cache holds the seed-0 built-in model)", file=sys.stderr)
@@ -689,12 +689,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     bm.add_argument("dir", nargs="?", help="where to write it (default: the built-in model in the cache)")
     bm.add_argument("--seed", type=int, default=0, help="other random weights: a stand-in for another checkpoint")
+    from captionflow.builtin.standin import ARCHES
+
     bm.add_argument(
         "--arch",
-        choices=["qwen2.5-vl-3b", "qwen2-vl-2b"],
+        choices=sorted(ARCHES),
         help="write a full-size config/tokenizer/processor of this architecture, no weights "
         '(run it with --engine-kwargs \'{"load_format": "dummy"}\')',
     )
+    bm.add_argument(
+        "--quantization", choices=["fp8"], help="with --arch: a checkpoint whose weights are stored in FP8, as the "
+        "published FP8 checkpoints are (vLLM allocates them in FP8; online fp8 first builds them in 16 bits)"
+    )  # fmt: skip
     bm.set_defaults(func=cmd_build_model)
     dd = sub.add_parser("demo-data", help="assemble the demo dataset (into the cache, or DIR)")
     dd.add_argument("dir", nargs="?", help="where to write it (default: the cache)")

@@ -274,14 +274,27 @@ def count_parameters(model_dir: str | os.PathLike) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build_standin(arch: str, out_dir: str | os.PathLike) -> Path:
-    """Write the stand-in for ``arch`` (one of ARCHES) into ``out_dir`` (created; must not exist)."""
+# A checkpoint that declares its weights stored in FP8 (vLLM's own format: one scale per tensor, activations scaled
+# dynamically), as the published FP8 checkpoints do: vLLM allocates its weights in FP8 from the start (with
+# load_format dummy: random FP8 weights), where online FP8 of a 16-bit checkpoint first builds every weight in 16 bits
+# (145 GB for a 72B: more than one H200 holds).
+FP8_CHECKPOINT = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+
+
+def build_standin(arch: str, out_dir: str | os.PathLike, quantization: str | None = None) -> Path:
+    """Write the stand-in for ``arch`` (one of ARCHES) into ``out_dir`` (created; must not exist); ``quantization``
+    fp8: a checkpoint whose weights are stored in FP8 (``FP8_CHECKPOINT``)."""
     if arch not in ARCHES:
         raise ValueError(f"unknown architecture {arch!r}; known: {', '.join(sorted(ARCHES))}")
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"unknown quantization {quantization!r}; known: fp8")
     out = Path(out_dir)
     out.mkdir(parents=True)
     build_tokenizer(out)
-    _write_json(out / "config.json", arch_config(arch))
+    config = arch_config(arch)
+    if quantization == "fp8":
+        config["quantization_config"] = dict(FP8_CHECKPOINT)
+    _write_json(out / "config.json", config)
     _write_json(
         out / "generation_config.json",
         {
@@ -297,8 +310,9 @@ def build_standin(arch: str, out_dir: str | os.PathLike) -> Path:
     _write_json(
         out / "captionflow_model.json",
         {
-            "name": f"standin-{arch}",
+            "name": f"standin-{arch}" + (f"-{quantization}" if quantization else ""),
             "architecture": arch,
+            "quantization": quantization,
             "parameters": count_parameters(out),
             "weights": None,
             "note": "no weights: run with engine_kwargs load_format=dummy (random weights, meaningless captions)",

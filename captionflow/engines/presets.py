@@ -159,13 +159,16 @@ def model_weight_bytes(model_path: str, quantization: str | None = None) -> int 
     root = Path(model_path)
     files = [p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt")] if root.is_dir() else []
     meta = root / "captionflow_model.json"
+    config = _config(root)
+    stored_fp8 = ((config or {}).get("quantization_config") or {}).get("quant_method") == "fp8"
     if files:
         stored = sum(p.stat().st_size for p in files)
     elif meta.is_file() and (params := json.loads(meta.read_text()).get("parameters")):
-        stored = int(params) * 2
+        # a stand-in: its parameters in bf16, or in FP8 but the embeddings (a checkpoint stored in FP8)
+        embedding = embedding_params(config or {}) if stored_fp8 else 0
+        stored = int(params) * 2 - (int(params) - embedding) * (1 if stored_fp8 else 0)
     else:
         return None
-    config = _config(root)
     if quantization != "fp8" or (config or {}).get("quantization_config"):  # a pre-quantized checkpoint: as it is
         return stored
     embedding = 2 * embedding_params(config or {})  # bytes, kept in 16 bits

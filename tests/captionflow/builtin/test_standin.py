@@ -129,3 +129,15 @@ def test_a_model_too_large_for_the_gpu_says_what_would_fit_it(large):
     assert "quantization" not in h100 and "tensor_parallel_size 4" in h100  # FP8 does not fit 80 GB either
     assert too_large(GPU, w72, 80 * gib, 4, None, w72_fp8) is None  # over 4 GPUs it does
     assert too_large(CPU, w72, 80 * gib) is None and too_large(GPU, None, 80 * gib) is None
+
+
+def test_a_standin_stored_in_fp8_declares_it_and_takes_the_online_fp8_bytes_as_it_is(large, tmp_path):
+    """A checkpoint stored in FP8 (as the published FP8 checkpoints are) sizes as online FP8 of its 16-bit twin would,
+    and asking for fp8 again changes nothing: vLLM allocates its weights in FP8 from the start."""
+    stored = build_standin("qwen2.5-vl-72b", tmp_path / "72b-fp8", quantization="fp8")
+    config = json.loads((stored / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    online = model_weight_bytes(str(large["72b"]), "fp8")
+    assert model_weight_bytes(str(stored)) == model_weight_bytes(str(stored), "fp8") == online
+    with pytest.raises(ValueError, match="unknown quantization"):
+        build_standin("qwen2.5-vl-7b", tmp_path / "7b-int4", quantization="int4")
