@@ -48,10 +48,10 @@ def test_worker_modules_do_not_import_prefect():
 
 def test_inference_and_judge_hand_ray_the_light_functions():
     import captionflow.engines.processor as processor
-    import captionflow.stages.inference as inference
+    import captionflow.stages.caption_pass as caption_pass
     import captionflow.stages.judge as judge
 
-    assert inference.caption_request.__module__ == "captionflow.workers.llm_rows"
+    assert caption_pass.caption_request.__module__ == "captionflow.workers.llm_rows"
     assert processor.read_pending_rows.__module__ == "captionflow.workers.llm_rows"
     assert judge.judge_request.__module__ == "captionflow.workers.llm_rows"
 
