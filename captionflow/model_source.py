@@ -7,6 +7,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from captionflow.builtin.model import BUILTIN_NAME, ensure_builtin_model
 from captionflow.data.cache import build_once, default_cache_dir
@@ -15,11 +16,21 @@ from captionflow.errors import ModelError
 
 
 @dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter (``adapter_config.json`` and its weights) the engines apply over its base checkpoint."""
+
+    path: str  # the adapter's local folder (each request names it: vLLM loads it once per engine)
+    rank: int
+    targets: tuple[str, ...]  # the modules it adapts
+
+
+@dataclass(frozen=True)
 class ResolvedModel:
     source: str  # what the user passed
-    path: str  # local folder vLLM loads
-    fingerprint: str
+    path: str  # local folder vLLM loads (an adapter's base)
+    fingerprint: str  # the checkpoint's; an adapter's: its base's and its own together
     architecture: str
+    adapter: Optional[Adapter] = None  # the checkpoint is a LoRA adapter over the checkpoint at ``path``
 
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -92,6 +103,8 @@ def resolve_model(model: str, cache_dir: str | None = None, dummy_weights: bool 
         path = _download_s3(model, cache_dir)
     else:
         path = local_model_path(model) or _download_hub(model)
+    if (path / ADAPTER_CONFIG).is_file():
+        return resolve_adapter(model, path, cache_dir, dummy_weights)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelError(f"model {str(path)!r} has no config.json: not a Hugging Face checkpoint folder")
@@ -116,6 +129,78 @@ def resolve_model(model: str, cache_dir: str | None = None, dummy_weights: bool 
         fingerprint=model_fingerprint(path),
         architecture=archs[0] if archs else str(cfg.get("model_type", "unknown")),
     )
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+# what adapts the vision tower: vLLM applies LoRA to the language model only (it skips the rest with a warning)
+VISION_MODULES = re.compile(r"(^|[._])(visual|vision_tower|vision_model|merger|patch_embed)([._]|$)")
+
+
+def resolve_adapter(model: str, path: Path, cache_dir: str | None, dummy_weights: bool) -> ResolvedModel:
+    """A LoRA adapter folder (PEFT's ``adapter_config.json`` and ``adapter_model.safetensors``) over its base
+    (``base_model_name_or_path``: a folder, relative to the adapter's or absolute, 'builtin', an s3:// prefix or a
+    hub id), both checked before any engine starts: the base resolved as any checkpoint, the adapter a LoRA of the
+    language model (not of the vision tower, which vLLM does not adapt, nor with extra trained modules) with
+    complete weights. ModelError in one line naming the adapter and what is wrong."""
+    where = f"adapter {str(path)!r}"
+    try:
+        conf = json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{where}: {ADAPTER_CONFIG} is unreadable ({e})") from None
+    if str(conf.get("peft_type", "LORA")).upper() != "LORA":
+        raise ModelError(f"{where}: peft_type {conf.get('peft_type')!r}; captionflow runs LoRA adapters")
+    if conf.get("modules_to_save"):
+        raise ModelError(
+            f"{where}: it also trains whole modules (modules_to_save {conf['modules_to_save']}), which vLLM's LoRA "
+            "does not load: merge the adapter into its base and evaluate the merged checkpoint"
+        )
+    base_name = conf.get("base_model_name_or_path")
+    if not base_name:
+        raise ModelError(f"{where}: {ADAPTER_CONFIG} names no base_model_name_or_path")
+    if not (base_name == "builtin" or "://" in base_name or Path(base_name).is_absolute()):
+        relative = (path / base_name).resolve()
+        base_name = str(relative) if relative.exists() else base_name
+    weights = sorted(path.glob("adapter_model.*"))
+    if not weights:
+        raise ModelError(f"{where} has no adapter weights (adapter_model.safetensors)")
+    check_weights(path)
+    rank = int(conf.get("r") or 0)
+    targets = conf.get("target_modules") or []
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    vision = [t for t in targets if VISION_MODULES.search(t)] + [
+        k for k in _safetensors_keys(weights[0]) if VISION_MODULES.search(k)
+    ]
+    if vision:
+        raise ModelError(
+            f"{where}: it adapts the vision tower ({vision[0]}); vLLM applies LoRA to the language model only, "
+            "so its captions would not be the adapter's: merge it into its base and evaluate the merged checkpoint"
+        )
+    if not 1 <= rank <= MAX_LORA_RANK:
+        raise ModelError(f"{where}: rank r={rank}; vLLM serves LoRA ranks 1 to {MAX_LORA_RANK}")
+    try:
+        base = resolve_model(base_name, cache_dir, dummy_weights)
+    except ModelError as e:
+        raise ModelError(f"{where}: its base {base_name!r}: {e}") from None
+    if base.adapter is not None:
+        raise ModelError(f"{where}: its base {base_name!r} is itself an adapter")
+    return ResolvedModel(
+        source=model,
+        path=base.path,
+        fingerprint=digest({"base": base.fingerprint, "adapter": model_fingerprint(path)}),
+        architecture=base.architecture,
+        adapter=Adapter(path=str(path), rank=rank, targets=targets),
+    )
+
+
+MAX_LORA_RANK = 512  # vLLM's largest max_lora_rank
+
+
+def _safetensors_keys(path: Path) -> list[str]:
+    if path.suffix != ".safetensors":
+        return []
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        return [k for k in json.loads(fh.read(n)) if k != "__metadata__"]
 
 
 SAFETENSORS_MAX_HEADER = 100 * 2**20

@@ -63,6 +63,11 @@ def preflight(cfg: RunConfig, prewarm_imports: bool = True) -> PreflightResult:
     if cfg.judge or cfg.pairwise_against:
         same = cfg.judge_model in (None, cfg.model)
         judge = model if same else resolve_model(cfg.judge_model, dummy_weights=cfg.dummy_weights())
+        if judge.adapter is not None:
+            raise OptionError(
+                f"judge_model: {judge.source} is a LoRA adapter, which captionflow does not judge with; set "
+                "judge_model to a full checkpoint (the adapter's base, or a merged one)"
+            )
     clip = resolve_clip(cfg.clip_model) if cfg.clip_model else None
     if cfg.coco_java and not shutil.which("java"):
         raise OptionError("coco_java needs Java on the PATH (PTB tokenizer and METEOR run on the JVM)")

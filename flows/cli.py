@@ -520,6 +520,14 @@ def cmd_watch(args: argparse.Namespace) -> int:
 def cmd_build_model(args: argparse.Namespace) -> int:
     from captionflow.builtin.model import build_builtin_model, ensure_builtin_model
 
+    if args.adapter:
+        from captionflow.builtin.adapter import build_adapter
+
+        if not args.dir:
+            print("captionflow: --adapter needs DIR", file=sys.stderr)
+            return 2
+        print(build_adapter(args.dir, seed=args.seed or 1, base=args.base))
+        return 0
     if args.arch:
         from captionflow.builtin.standin import build_standin
 
@@ -701,6 +709,11 @@ def main(argv: list[str] | None = None) -> int:
         "--quantization", choices=["fp8"], help="with --arch: a checkpoint whose weights are stored in FP8, as the "
         "published FP8 checkpoints are (vLLM allocates them in FP8; online fp8 first builds them in 16 bits)"
     )  # fmt: skip
+    bm.add_argument(
+        "--adapter", action="store_true", help="a tiny LoRA adapter (adapter_config.json + weights) over --base "
+        "instead: another fine-tune per --seed (default 1)"
+    )  # fmt: skip
+    bm.add_argument("--base", default="builtin", help="with --adapter: its base checkpoint (default: builtin)")
     bm.set_defaults(func=cmd_build_model)
     dd = sub.add_parser("demo-data", help="assemble the demo dataset (into the cache, or DIR)")
     dd.add_argument("dir", nargs="?", help="where to write it (default: the cache)")

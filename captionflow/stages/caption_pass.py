@@ -257,6 +257,7 @@ class CaptionPass:
                     fail_ids=inject if attempt == 0 else frozenset(),
                     grid=engine.image_grid,
                     judged=judged,
+                    adapter=model.adapter.path if model.adapter else None,
                 ),
                 postprocess=functools.partial(
                     to_judged_caption if judged else to_caption,

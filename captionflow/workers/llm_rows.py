@@ -115,15 +115,19 @@ def caption_request(
     fail_ids: frozenset,
     grid=None,
     judged: bool = False,
+    adapter: str | None = None,
 ) -> dict:
     """Preprocess: one captioning request. ``fail_ids``: rows sent with invalid sampling parameters
     (temperature -1, which vLLM rejects), for the tests of per-row failures. ``judged``: a judge takes the caption
     on in the same pass, and the image array with it (``JUDGE_IMAGE``: the engine stage takes the request's out
-    of the row)."""
+    of the row). ``adapter``: the LoRA adapter's folder the engine applies to this request (Ray Data LLM's
+    ``model`` column: a LoRA request where it differs from the engines' checkpoint)."""
     params = dict(sampling)
     if row["image_id"] in fail_ids:
         params["temperature"] = -1.0
     request = engine_request(row, image_prompt, system_prompt, prompt, params, grid)
+    if adapter:
+        request["model"] = adapter
     return {**request, JUDGE_IMAGE: request["multimodal_data"]["image"]} if judged else request
 
 
