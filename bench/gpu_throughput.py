@@ -95,6 +95,13 @@ def prepare(a: argparse.Namespace) -> None:
             build_standin(a.arch, model_dir, a.standin_quantization)
         a.model = str(model_dir)
         a.engine_kwargs = json.dumps({"load_format": "dummy", **json.loads(a.engine_kwargs)})
+    if a.lora_rank:  # the checkpoint: a LoRA adapter of that rank over it (every module of its language model)
+        from captionflow.builtin.adapter import build_adapter
+
+        adapter = work / f"adapter-r{a.lora_rank}-{Path(a.model).name}"
+        if not adapter.exists():
+            build_adapter(adapter, seed=1, base=a.model, rank=a.lora_rank, scale=0.01)
+        a.model = str(adapter)
 
 
 def main() -> int:
@@ -103,6 +110,7 @@ def main() -> int:
     ap.add_argument("--images", help="a folder of images instead of synthetic ones")
     ap.add_argument("--arch", default="qwen2.5-vl-3b", help="stand-in architecture (without --model)")
     ap.add_argument("--standin-quantization", choices=["fp8"], help="a stand-in stored in FP8 (build_standin)")
+    ap.add_argument("--lora-rank", type=int, help="caption with a LoRA adapter of this rank over the model")
     ap.add_argument(
         "--model",
         help="a checkpoint folder with real weights instead of the stand-in "
