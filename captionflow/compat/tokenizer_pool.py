@@ -1,6 +1,6 @@
 """vLLM's thread-safe tokenizer pools: filled in the background, copied cheaply, and made once per front end.
 
-vLLM (0.26 to 0.29 at least) makes a front end's tokenizer thread-safe with ``maybe_make_thread_pool``: it
+vLLM (0.26 to 0.32 at least) makes a front end's tokenizer thread-safe with ``maybe_make_thread_pool``: it
 deep-copies the tokenizer ``copies`` times (``renderer_num_workers + 1``) before returning, and every copy of such a
 tokenizer makes all its copies again. Three things made that the longest part of an engine's start on the H100 host
 (Qwen2.5-VL tokenizer, 8 renderer threads):
@@ -44,7 +44,7 @@ def _cell(fn: Any, name: str) -> Any:
 
 def pool_of(tokenizer: Any) -> tuple[Any, queue.Queue] | None:
     """(the tokenizer the copies are made from, the pool's queue) of a tokenizer that ``maybe_make_thread_pool``
-    made thread-safe; None where it is not built as vLLM 0.26-0.29 builds it."""
+    made thread-safe; None where it is not built as vLLM 0.26-0.32 builds it."""
     try:
         borrow = _cell(type(tokenizer).encode, "_borrow_from_pool")
         make = borrow.__wrapped__  # contextlib.contextmanager keeps the generator function there

@@ -1,6 +1,6 @@
 """vLLM's inspection of a model class, cached before the engines ask for it.
 
-When an engine builds its configuration, vLLM (0.26-0.29) inspects the architecture's model class (is it
+When an engine builds its configuration, vLLM (0.26-0.32) inspects the architecture's model class (is it
 multimodal, does it take pooling...) in a new interpreter that imports vLLM (``registry._run_in_subprocess``),
 unless ``<VLLM_CACHE_ROOT>/modelinfos`` holds the answer. On the H100 host that interpreter took ~22 s of a cold
 run's critical path: the front end waits for it before it starts its engine core. ``prefetch`` starts the same

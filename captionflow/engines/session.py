@@ -273,7 +273,7 @@ def ray_session(cfg: RunConfig, pipelines: int = 1) -> RaySession:
     # runtime_env, even env_vars alone, makes Ray start new workers instead of the ones it prestarted
     # (2 fresh worker processes, ~2 s of CPU each, before the first task on 2 cores), so the job gets
     # one only where the vLLM hook is needed: the GPU preset (vLLM 0.26 on the GPU host; the CPU build,
-    # vLLM 0.29, pre-builds its processor itself).
+    # vLLM 0.29 and later, pre-builds its processor itself).
     # address="local": a new Ray of our own, even where a `ray start` left its address file behind (a live
     # or crashed cluster; without it, ray.init would try to join that one with our sizing and refuse)
     _init(

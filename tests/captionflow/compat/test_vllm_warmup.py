@@ -125,7 +125,7 @@ def test_requests_are_rendered_off_the_event_loop_with_the_same_outputs(tmp_path
     assert len({tuple(t) for t in r["out"]["patched"]}) > 1  # the images make a difference
     assert r["yields"] == {"original": [12] * 3, "patched": [1] * 3}  # one output per token / the final one only
     # the patched path processes images on the renderer's threads; vLLM's own raw-prompt path did it on the
-    # event loop's (main) thread up to 0.26 (the GPU host's) and moved it off the loop later (the CPU build's 0.29)
+    # event loop's (main) thread up to 0.26 (the GPU host's) and moved it off the loop later (0.29 and later)
     on_loop = {}
     for tag, main in r["on_loop_thread"]:
         on_loop.setdefault(tag, []).append(main)
