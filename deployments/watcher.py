@@ -1,11 +1,11 @@
 """Checkpoint watcher: announce each new checkpoint under a storage prefix, exactly once.
 
-For stores that cannot call webhooks: list ``prefix`` (local or ``s3://``), treat every folder
-that holds a ``config.json`` as a checkpoint, and emit ``captionflow.checkpoint.created`` (payload
-``{"uri": ...}``) for each one not announced before. What was announced is remembered in a JSON
-file written atomically (default ``<prefix>/.captionflow-announced.json``), so reruns, overlapping
-schedules and restarts announce nothing twice. A checkpoint is announced only once its
-``config.json`` exists: write it last when saving.
+For stores that cannot call webhooks: list ``prefix`` (local or ``s3://``), treat every folder that holds a
+``config.json`` (or a LoRA adapter's ``adapter_config.json``) as a checkpoint, and emit
+``captionflow.checkpoint.created`` (payload ``{"uri": ...}``) for each one not announced before. What was announced
+is remembered in a JSON file written atomically (default ``<prefix>/.captionflow-announced.json``), so reruns,
+overlapping schedules and restarts announce nothing twice. A checkpoint is announced only once that file exists:
+write it last when saving.
 
 Nothing is lost silently: the watcher refuses to run without a reachable Prefect API (without
 ``PREFECT_API_URL`` Prefect would send the events to a temporary in-process server, and no run would
@@ -73,13 +73,19 @@ def stored_events(ids: list[str], timeout_s: float = CONFIRM_S) -> set[str]:
             time.sleep(0.5)
 
 
+# what makes a folder a checkpoint: a full one's config, or a LoRA adapter's (PEFT writes it after the weights)
+MARKERS = ("config.json", "adapter_config.json")
+
+
 def find_checkpoints(prefix: str) -> list[str]:
     store = Store(prefix)
     found = []
     for path in sorted(store.fs.find(store.root)):
-        if posixpath.basename(path) == "config.json":
+        if posixpath.basename(path) in MARKERS:
             folder = posixpath.dirname(path)
-            found.append(folder if store.is_local else f"{store.protocol}://{folder}")
+            uri = folder if store.is_local else f"{store.protocol}://{folder}"
+            if uri not in found:
+                found.append(uri)
     return found
 
 

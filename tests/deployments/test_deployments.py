@@ -86,11 +86,14 @@ def test_watcher_announces_each_checkpoint_once(prefect_api, tmp_path):
     assert watch_once(str(prefix)) == []
     (prefix / "step-3000-incomplete" / "config.json").write_text("{}")
     assert watch_once(str(prefix)) == [str(prefix / "step-3000-incomplete")]
+    (prefix / "lora-step-500").mkdir()  # a LoRA adapter: its adapter_config.json, written after its weights
+    (prefix / "lora-step-500" / "adapter_config.json").write_text("{}")
+    assert watch_once(str(prefix)) == [str(prefix / "lora-step-500")]
     _flush_events()
     uris = set()
     with get_client(sync_client=True) as client:
         deadline = time.time() + 30
-        while time.time() < deadline and len(uris) < 3:
+        while time.time() < deadline and len(uris) < 4:
             r = client.request(
                 "POST",
                 "/events/filter",
@@ -98,7 +101,7 @@ def test_watcher_announces_each_checkpoint_once(prefect_api, tmp_path):
             )
             uris = {e["payload"]["uri"] for e in r.json()["events"] if str(prefix) in e["payload"].get("uri", "")}
             time.sleep(0.5)
-    assert uris == {str(prefix / s) for s in ("step-1000", "step-2000", "step-3000-incomplete")}
+    assert uris == {str(prefix / s) for s in ("step-1000", "step-2000", "step-3000-incomplete", "lora-step-500")}
 
 
 def test_checkpoint_event_starts_a_run_with_that_model(prefect_api, tmp_path):
