@@ -163,10 +163,9 @@ def model_weight_bytes(model_path: str, quantization: str | None = None) -> int 
     stored_fp8 = ((config or {}).get("quantization_config") or {}).get("quant_method") == "fp8"
     if files:
         stored = sum(p.stat().st_size for p in files)
-    elif meta.is_file() and (params := json.loads(meta.read_text()).get("parameters")):
-        # a stand-in: its parameters in bf16, or in FP8 but the embeddings (a checkpoint stored in FP8)
-        embedding = embedding_params(config or {}) if stored_fp8 else 0
-        stored = int(params) * 2 - (int(params) - embedding) * (1 if stored_fp8 else 0)
+    elif meta.is_file() and (params := int(json.loads(meta.read_text()).get("parameters") or 0)):
+        # a stand-in: its parameters in bf16, or (stored in FP8) one byte each but the embeddings' two
+        stored = params + embedding_params(config or {}) if stored_fp8 else 2 * params
     else:
         return None
     if quantization != "fp8" or (config or {}).get("quantization_config"):  # a pre-quantized checkpoint: as it is

@@ -147,10 +147,10 @@ def run_judge(
         )
         done = ledger.committed()
         # a rerun or resume (or the captioning's pass, judging alongside) continues the same order's prefix
-        if not (judging and judging.observe_committed(store)) and set(captions) - done:
+        if not (judging and judging.resume(store)) and set(captions) - done:
             passes = judge_passes(
                 cfg, manifest, judge, engine, ledger, set(captions), done, judge_task(captions),
-                order=verdict.order if verdict else None, stop=judging.stop if judging else None,
+                order=verdict.order if verdict else None, stop=judging.observe if judging else None,
             )  # fmt: skip
     scores = store.read_unique(store.ls(*base, SCORES, suffix=".parquet"))
     rows = scores.to_pylist() if scores is not None else []
@@ -283,12 +283,12 @@ class SequentialJudging(Consumer):
     """The judging of a sequential verdict on the judge's score or the pairwise win (``verdict_score judge |
     pairwise``): the ``verdict``, the folder its judgements commit to (``parts``, the judge or pairwise stage's)
     and how committed judgement rows become its values (``values``). The judge or pairwise stage feeds it its
-    passes' rows (``stop``); where it can (``alongside``: engines started for the run, or the warm engine service's
+    passes' rows (``observe``); where it can (``alongside``: engines started for the run, or the warm engine service's
     judge engines holding this judge), it is the caption pass's consumer (``caption_pass.Consumer``): the judge
     judges each caption as it comes out of the captioner's engines, in the captioning's own Ray Data job (``after``),
     the judgement commits beside the caption (``side``), and once the verdict is in the captioning stops too, not
     only the judging; the stage after it then finds the judgements committed and the same verdict in
-    (``observe_committed``, as a rerun or a resume does)."""
+    (``resume``, as a rerun or a resume does)."""
 
     judge: ResolvedModel
     engine: EngineSettings
@@ -300,18 +300,15 @@ class SequentialJudging(Consumer):
 
     judged = True
 
-    def observe_committed(self, store: Store) -> bool:
-        """Feed the verdict the judgements already committed (a rerun, a resume); True once it is in."""
+    def resume(self, store: Store, run: tuple[str, ...] = ()) -> bool:
+        """Feed the verdict the judgements already committed to its folder (a rerun, a resume, the captioning's
+        pass having judged alongside); True once it is in."""
         t = store.read_unique(store.ls(*self.parts, SCORES, suffix=".parquet"))
         return self.verdict.observe(self.values(t.to_pylist() if t is not None else []))
 
-    def resume(self, store: Store, run: tuple[str, ...]) -> bool:
-        return self.observe_committed(store)
-
-    def stop(self, rows: list[dict]) -> bool:
+    def observe(self, rows: list[dict]) -> bool:
+        """A block of judgement rows as they come (``run_passes``' stop); True once the verdict is in."""
         return self.verdict.observe(self.values(rows))
-
-    observe = stop
 
     @contextlib.contextmanager
     def beside(self, cfg: RunConfig, store: Store, warm, engine: EngineSettings, local: bool):

@@ -92,11 +92,11 @@ def run_pairwise(
         )  # fmt: skip
         done = ledger.committed()
         # a rerun or resume (or the captioning's pass, judging alongside) continues the same order's prefix
-        if not (judging and judging.observe_committed(store)) and todo - done:
+        if not (judging and judging.resume(store)) and todo - done:
             passes = judge_passes(
                 cfg, manifest, judge, engine, ledger, todo, done, pairwise_task(candidate, baseline),
                 order=[pair_id(i, o) for i in verdict.order for o in ORDERS] if verdict else None,
-                stop=judging.stop if judging else None,
+                stop=judging.observe if judging else None,
             )  # fmt: skip
     t = store.read_unique(store.ls(*parts, SCORES, suffix=".parquet"))
     rows = [r for r in (t.to_pylist() if t is not None else []) if r["image_id"] in todo]
