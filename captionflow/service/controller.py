@@ -393,7 +393,10 @@ def describe(engines: bool = False) -> Optional[dict[str, Any]]:
     c = _controller()
     if c is None:
         return None
-    info = ray.get(c.describe.remote(), timeout=60)
+    try:
+        info = ray.get(c.describe.remote(), timeout=60)
+    except ray.exceptions.RayActorError:  # stopped (and killed) between the lookup and the call
+        return None
     if info["stopped"]:
         return None
     if engines:

@@ -102,7 +102,8 @@ def test_two_checkpoints_through_warm_engines_then_a_service_that_dies_mid_run_a
     assert all(e["rows"] > 0 for e in engines) and sum(e["rows"] for e in engines) == 12, engines
     assert {r["caption"] for r in warm_rows.values()} != {r["caption"] for r in _captions(a).values()}
     # stopped: the command said so, its process and every process it started are gone, its address file too
-    assert stop.returncode == 0 and "stopped" in stop.stdout and serve.returncode == 0
+    assert stop.returncode == 0 and "stopped" in stop.stdout, stop.stdout + stop.stderr
+    assert serve.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
     assert not (Path(env["CAPTIONFLOW_CACHE"]) / "service.json").exists()
     time.sleep(5)
     assert not [pid for pid in children if psutil.pid_exists(pid)]

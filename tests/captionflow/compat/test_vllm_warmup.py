@@ -123,7 +123,10 @@ def test_requests_are_rendered_off_the_event_loop_with_the_same_outputs(tmp_path
     assert r["out"]["patched"] == r["out"]["original"]
     assert all(len(t) == 12 for t in r["out"]["patched"])
     assert len({tuple(t) for t in r["out"]["patched"]}) > 1  # the images make a difference
-    assert r["yields"] == {"original": [12] * 3, "patched": [1] * 3}  # one output per token / the final one only
+    # the final output only / an output per token, some merged when the loop is slow to read them (vLLM's
+    # output collector merges what waits), so between 2 and 12
+    assert r["yields"]["patched"] == [1] * 3
+    assert len(r["yields"]["original"]) == 3 and all(2 <= n <= 12 for n in r["yields"]["original"]), r["yields"]
     # the patched path processes images on the renderer's threads; vLLM's own raw-prompt path did it on the
     # event loop's (main) thread up to 0.26 (the GPU host's) and moved it off the loop later (0.29 and later)
     on_loop = {}
