@@ -98,10 +98,13 @@ def prepare(a: argparse.Namespace) -> None:
     if a.lora_rank:  # the checkpoint: a LoRA adapter of that rank over it (every module of its language model)
         from captionflow.builtin.adapter import build_adapter
 
-        adapter = work / f"adapter-r{a.lora_rank}-{Path(a.model).name}"
-        if not adapter.exists():
-            build_adapter(adapter, seed=1, base=a.model, rank=a.lora_rank, scale=0.01)
-        a.model = str(adapter)
+        adapters = []
+        for seed in range(1, a.adapters + 1):  # several: --model lists them, the stage captions them in one pass
+            adapter = work / f"adapter-r{a.lora_rank}-s{seed}-{Path(a.model).name}"
+            if not adapter.exists():
+                build_adapter(adapter, seed=seed, base=a.model, rank=a.lora_rank, scale=0.01)
+            adapters.append(str(adapter))
+        a.model = ",".join(adapters)
 
 
 def main() -> int:
@@ -111,6 +114,12 @@ def main() -> int:
     ap.add_argument("--arch", default="qwen2.5-vl-3b", help="stand-in architecture (without --model)")
     ap.add_argument("--standin-quantization", choices=["fp8"], help="a stand-in stored in FP8 (build_standin)")
     ap.add_argument("--lora-rank", type=int, help="caption with a LoRA adapter of this rank over the model")
+    ap.add_argument(
+        "--adapters",
+        type=int,
+        default=1,
+        help="with --lora-rank: this many adapters (seeds 1..K), captioned in one shared pass (stage phase only)",
+    )
     ap.add_argument(
         "--model",
         help="a checkpoint folder with real weights instead of the stand-in "

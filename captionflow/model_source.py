@@ -22,6 +22,8 @@ class Adapter:
     path: str  # the adapter's local folder (each request names it: vLLM loads it once per engine)
     rank: int
     targets: tuple[str, ...]  # the modules it adapts
+    base: str = ""  # its base checkpoint, as the adapter names it
+    base_fingerprint: str = ""
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,12 @@ class ResolvedModel:
     fingerprint: str  # the checkpoint's; an adapter's: its base's and its own together
     architecture: str
     adapter: Optional[Adapter] = None  # the checkpoint is a LoRA adapter over the checkpoint at ``path``
+
+    def base(self) -> ResolvedModel:
+        """The checkpoint the engines load: an adapter's base, else this one."""
+        if self.adapter is None:
+            return self
+        return ResolvedModel(self.adapter.base, self.path, self.adapter.base_fingerprint, self.architecture)
 
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -188,7 +196,7 @@ def resolve_adapter(model: str, path: Path, cache_dir: str | None, dummy_weights
         path=base.path,
         fingerprint=digest({"base": base.fingerprint, "adapter": model_fingerprint(path)}),
         architecture=base.architecture,
-        adapter=Adapter(path=str(path), rank=rank, targets=targets),
+        adapter=Adapter(str(path), rank, targets, base=base.source, base_fingerprint=base.fingerprint),
     )
 
 

@@ -462,12 +462,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     judges = checked.judge_engine.service_engines(beside_judge=True)[1] if judge is not None else 0
     cpus = cfg.ray_num_cpus or local_ray_cpus(preset, 1) + math.ceil((engines + judges) * preset.engine_cpus)
     session = ray_session(cfg.model_copy(update={"ray_num_cpus": cpus, "warm_engines": "off"}))
-    service.start_service(
-        checked.model, checked.engine, args.idle_timeout, session.address, judge, checked.judge_engine
-    )
+    # LoRA slots: runs of adapters of the loaded checkpoint use the engines as they are (an adapter as --model: its
+    # base is loaded, with a slot for it at least)
+    model, engine, adapter = checked.model.base(), checked.engine, checked.model.adapter
+    slots, rank = max(args.lora_slots, 1 if adapter else 0), max(args.lora_rank, adapter.rank if adapter else 0)
+    if slots:
+        engine = engine.with_lora(slots, rank)
+    service.start_service(model, engine, args.idle_timeout, session.address, judge, checked.judge_engine)
     print(
-        f"warm engines ready: {checked.model.source} ({checked.engine.preset.name}, {engines} engine"
+        f"warm engines ready: {model.source} ({engine.preset.name}, {engines} engine"
         f"{'s' if engines > 1 else ''}"
+        + (f", {slots} LoRA slot{'s' if slots > 1 else ''} up to rank {engine.lora_rank}" if slots else "")
         + (f"; the judge {judge.source}, {judges} engine{'s' if judges > 1 else ''}" if judge else "")
         + "); runs use them while this runs; stop with: captionflow serve --stop",
         flush=True,
@@ -647,6 +652,17 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--config", help="YAML file of parameters: the model and engine settings to start with")
     srv.add_argument(
         "--idle-timeout", type=float, default=1800, help="seconds without a run before it stops (0: never)"
+    )
+    srv.add_argument(
+        "--lora-slots",
+        type=int,
+        default=0,
+        metavar="K",
+        help="LoRA adapters the engines hold at once: runs of adapters of the model use the engines as they are, "
+        "each adapter loaded at its first request (default 0: no LoRA, which costs GPU engines ~0.8x)",
+    )
+    srv.add_argument(
+        "--lora-rank", type=int, default=64, metavar="R", help="with --lora-slots: the largest adapter rank (64)"
     )
     srv.add_argument("--stop", action="store_true", help="stop the running service")
     srv.add_argument("--status", action="store_true", help="show what the running service has loaded and who uses it")

@@ -13,6 +13,7 @@ inherit ``PREFECT_API_URL``).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 from prefect import flow, get_run_logger, task
@@ -27,11 +28,14 @@ from captionflow.data.storage import Store
 from captionflow.model_source import resolve_model
 from captionflow.report.markdown import read_leaderboard
 from captionflow.runs.fanout import EVALUATION_TASK_CPUS
+from captionflow.stages.shared_pass import shareable
 from flows.caption_flow import caption_flow
 from flows.parameters import flow_parameters, with_config_parameters
 from tasks.ingest import ingest_task
+from tasks.preflight import preflight_task
 from tasks.preprocess import preprocess_task
 from tasks.results import stage_results
+from tasks.shared_pass import shared_pass_task
 
 MODELS = inspect.Parameter("models", inspect.Parameter.KEYWORD_ONLY, default=("builtin",), annotation=tuple[str, ...])
 PARALLEL = inspect.Parameter(
@@ -55,7 +59,11 @@ def compare_checkpoints(config: RunConfig, models: tuple[str, ...] = ("builtin",
     # every checkpoint checked before any run starts
     resolved = [resolve_model(m, dummy_weights=config.dummy_weights()) for m in models]
     configs = [config.model_copy(update={"model": m}) for m in models]
-    if parallel > 1 and len(models) > 1:
+    shared = None
+    if config.verdict == "full" and shareable(resolved) is None:
+        # adapters of one base: captioned in one pass first, each run then scores its own captions
+        shared = _shared_pass(config, configs[0], resolved)
+    if parallel > 1 and len(models) > 1 and not shared:
         runs = _in_parallel(config, configs, resolved, parallel)
     else:
         runs = [caption_flow(**flow_parameters(c)) for c in configs]
@@ -64,7 +72,27 @@ def compare_checkpoints(config: RunConfig, models: tuple[str, ...] = ("builtin",
     wanted = {r["run_dir"] for r in runs}
     order = [r["run_dir"] for r in runs]
     rows = sorted((r for r in board if r["run_dir"] in wanted), key=lambda r: order.index(r["run_dir"]))
-    return {"runs": runs, "leaderboard": rows, "models": [m.fingerprint for m in resolved]}
+    return {"runs": runs, "leaderboard": rows, "models": [m.fingerprint for m in resolved], "shared_pass": shared}
+
+
+def _shared_pass(config: RunConfig, first: RunConfig, resolved) -> dict:
+    """The checkpoints' captions, all in one pass (``stages/shared_pass.py``), after the first one's preflight
+    (every check but the model's: each run's own preflight checks it again); what the pass did."""
+    preflight_task(first.model_copy(update={"warm_engines": "off"}))  # adapters never run on the warm service
+    with stage_results(config.output):  # once: every run finds it done (Cached)
+        manifest = preprocess_task(opaque(ingest_task(config)), config)
+    results = shared_pass_task(config, manifest, resolved)
+    get_run_logger().info(
+        "captioned %d checkpoints of one base in one pass: %s", len(results),
+        ", ".join(f"{m.source} {r.captioned}/{r.accepted}" for m, r in zip(resolved, results)),
+    )  # fmt: skip
+    return {
+        "checkpoints": [m.source for m in resolved],
+        "captioned": [r.captioned for r in results],
+        "resumed_from": [r.resumed_from for r in results],
+        "passes": [dataclasses.asdict(p) for p in results[0].passes],
+        "seconds": results[0].timings_s.get("inference_s"),
+    }
 
 
 @task(name="evaluate-checkpoint")

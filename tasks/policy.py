@@ -23,6 +23,7 @@ TIMEOUT_S = {
     "ingest": 6 * HOUR,  # listing (and checking) every object of the dataset
     "preprocess": 48 * HOUR,
     "inference": 72 * HOUR,
+    "shared-pass": 72 * HOUR,  # the inference of several checkpoints at once (compare over LoRA adapters)
     "judge": 72 * HOUR,
     "pairwise": 72 * HOUR,
     "clip-score": 24 * HOUR,

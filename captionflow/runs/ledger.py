@@ -77,7 +77,12 @@ class Ledger:
         self.lease, self.stall_timeout_s, self.what = lease, stall_timeout_s, what
         self.stopped = False  # the last pass ended early (drain's stop)
 
-    def committed(self) -> set[str]:
+    @staticmethod
+    def key(row: dict):
+        """What a result row is done for: its image."""
+        return row["image_id"]
+
+    def committed(self) -> set:
         return self.store.ids(self.store.ls(*self.base, self.ok_kind, suffix=".parquet"))
 
     def commit_rows_now(self, rows: list[dict]) -> int:
@@ -133,7 +138,7 @@ class Ledger:
 
         def commit() -> None:
             nonlocal n_ok
-            ids = [r["image_id"] for r in ok_rows]
+            ids = [self.key(r) for r in ok_rows]
             n_ok += self._commit(self.ok_kind, ok_rows)
             done.update(ids)
             if side is not None:  # after the rows they are results of
@@ -181,6 +186,33 @@ class Ledger:
         return n_ok, n_failed, first_row_s
 
 
+class Ledgers(Ledger):
+    """The ledgers of several checkpoints' run folders, filled from one pass (``stages/shared_pass.py``): each
+    result row commits to its checkpoint's (by ``model_fingerprint``), and is done for (fingerprint, image id)."""
+
+    def __init__(self, ledgers: dict[str, Ledger]):
+        first = next(iter(ledgers.values()))
+        super().__init__(first.store, first.base, first.ok_kind, first.schema, first.commit_rows,
+                         stall_timeout_s=first.stall_timeout_s, what=first.what)  # fmt: skip
+        self.ledgers = ledgers
+
+    @staticmethod
+    def key(row: dict):
+        return row["model_fingerprint"], row["image_id"]
+
+    def committed(self) -> set:
+        return {(fp, i) for fp, ledger in self.ledgers.items() for i in ledger.committed()}
+
+    def _commit(self, kind: str, rows: list[dict]) -> int:
+        stray = {r["model_fingerprint"] for r in rows} - set(self.ledgers)
+        if stray:  # a row no checkpoint of the pass made: never dropped without a word
+            raise CaptionflowError(f"{self.what}: rows of checkpoints not in this pass: {sorted(stray)}")
+        n = sum(ledger._commit(kind, [r for r in rows if r["model_fingerprint"] == fp])
+                for fp, ledger in self.ledgers.items())  # fmt: skip
+        rows.clear()
+        return n
+
+
 def _reporter(progress: Progress, before: int, total: int) -> Callable[[int, int, float], None]:
     """A pass's results as overall progress: ``before`` rows were done when the pass began."""
     return lambda seen, committed, rate: progress(before + seen, before + committed, total, rate)
@@ -197,8 +229,8 @@ def run_passes(
     stop: Optional[Callable[[list[dict]], bool]] = None,
     side: Optional[Ledger] = None,
 ) -> list[PassResult]:
-    """Send the ids of ``todo`` not yet in ``done`` through ``rows_for(attempt, pending)`` (a Ray dataset
-    of fixed-schema result rows) and commit them; again for the rows that failed, up to ``row_retries``
+    """Send the ids (``Ledger.key``) of ``todo`` not yet in ``done`` through ``rows_for(attempt, pending)`` (a Ray
+    dataset of fixed-schema result rows) and commit them; again for the rows that failed, up to ``row_retries``
     more passes. ``order``: pending ids go in this order (else sorted); ``stop``, ``side``: see ``Ledger.drain`` -
     once ``stop`` says True, no further pass."""
     passes = []

@@ -108,6 +108,7 @@ class ServiceController:
             "last_used": time.time(),
             "stopped": False,
             "swaps": 0,
+            "lora_rank": 0,  # the largest LoRA adapter rank the engines take (0: none): runs of adapters of the model
             "judge": None,  # the judge's engines, when the service keeps them (``start_service``): what ``loaded`` says
         }
         self.holder: Optional[dict[str, Any]] = None
@@ -170,14 +171,16 @@ class ServiceController:
         model_path: str,
         model_fingerprint: str,
         swapped: bool,
+        lora_rank: int = 0,
     ) -> None:
-        """``model`` is in every engine of ``apps`` and checked."""
+        """``model`` is in every engine of ``apps`` and checked; they take LoRA adapters up to ``lora_rank``."""
         self.state.update(
             apps=list(apps),
             spec=spec,
             model=model,
             model_path=model_path,
             model_fingerprint=model_fingerprint,
+            lora_rank=lora_rank,
             last_used=time.time(),
         )
         self.state["swaps"] += int(swapped)
@@ -351,7 +354,8 @@ def start_service(
         spec = engine_spec(judge, judge_engine)
         ray.get(controller.judge_loaded.remote(judge_apps, spec, judge.source, judge.path, judge.fingerprint))
     spec = engine_spec(model, engine)
-    ray.get(controller.loaded.remote(apps, spec, model.source, model.path, model.fingerprint, False))
+    lora = settings.lora_rank
+    ray.get(controller.loaded.remote(apps, spec, model.source, model.path, model.fingerprint, False, lora))
     if address is None:  # a local Ray: tell the runs on this machine where it is
         path = service_file()
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -258,7 +258,7 @@ def _load(c, model: ResolvedModel, engine: EngineSettings, info: dict, spec: str
 
     settings, n = engine.service_engines(beside_judge=bool(info.get("judge")))  # the judge's keep their share
     t0 = time.perf_counter()
-    apps, how = list(info["apps"]), "loaded"
+    apps, how, lora_rank = list(info["apps"]), "loaded", info.get("lora_rank", 0)
     try:
         try:
             if info["spec"] != spec or not apps:
@@ -267,7 +267,7 @@ def _load(c, model: ResolvedModel, engine: EngineSettings, info: dict, spec: str
                     model.source,
                 )
                 apps = _replace_all(model, settings, apps, app_names(n))
-                how = "replaced"
+                how, lora_rank = "replaced", settings.lora_rank
             elif info["model_fingerprint"] != model.fingerprint:
                 got = ray.get(c.swap.remote(warm.token, model.path, model.fingerprint), timeout=SWAP_TIMEOUT_S)
                 for app, seconds in got["swapped"].items():
@@ -281,6 +281,7 @@ def _load(c, model: ResolvedModel, engine: EngineSettings, info: dict, spec: str
                         "it" if len(bad) == 1 else "them",
                     )
                     _deploy(model, settings, list(bad))
+                    lora_rank = min(lora_rank, settings.lora_rank)
                 how = "replaced" if len(bad) == len(apps) else "swapped"
         except CaptionflowError:
             raise
@@ -288,7 +289,10 @@ def _load(c, model: ResolvedModel, engine: EngineSettings, info: dict, spec: str
             raise EngineFailed(
                 f"warm engines: loading {model.source} failed: {type(e).__name__}: {str(e)[:300]}"
             ) from e
-        ray.get(c.loaded.remote(apps, spec, model.source, model.path, model.fingerprint, how == "swapped"), timeout=60)
+        ray.get(
+            c.loaded.remote(apps, spec, model.source, model.path, model.fingerprint, how == "swapped", lora_rank),
+            timeout=60,
+        )
         warm.apps, warm.how, warm.seconds = apps, how, round(time.perf_counter() - t0, 2)
     except BaseException as e:
         warm.error = e
@@ -315,23 +319,37 @@ def for_run(cfg, model: ResolvedModel, engine: EngineSettings) -> Iterator[Optio
     if cfg.warm_engines == "off" or engine.tensor_parallel_size > 1:
         yield None
         return
-    if describe() is None:
+    info = describe()
+    if info is None:
         if cfg.warm_engines == "require":
             raise ServiceError(
                 "warm_engines is 'require' but no warm engine service runs (start one: captionflow serve)"
             )
         yield None
         return
-    if model.adapter is not None:  # the service's engines hold full checkpoints, without LoRA
+    if model.adapter is not None and (why := _not_adapting(info, model)):
         if cfg.warm_engines == "require":
-            raise ServiceError("warm_engines is 'require' but a LoRA adapter runs on engines of its own")
-        log.info("warm engines: %s is a LoRA adapter, which runs on engines of its own", model.source)
+            raise ServiceError(f"warm_engines is 'require' but {why}")
+        log.info("warm engines: %s: the adapter runs on engines of its own", why)
         yield None
         return
     from captionflow.data.lease import _default_owner
 
-    with use(model, engine, _default_owner(), cfg.lease_wait_s) as warm:
+    # an adapter: the engines hold its base (swapped in where they hold another checkpoint), each request names
+    # the adapter, which vLLM loads into a LoRA slot at its first request (no weights reloaded)
+    with use(model.base(), engine, _default_owner(), cfg.lease_wait_s) as warm:
         yield warm
+
+
+def _not_adapting(info: dict, model: ResolvedModel) -> Optional[str]:
+    """Why the service's engines (``info``: the controller's state) cannot serve LoRA adapter ``model``; None
+    where they can (LoRA slots of a rank that holds it; its base is swapped in where another checkpoint is)."""
+    rank = int(info.get("lora_rank") or 0)
+    if not rank:
+        return "the warm engine service has no LoRA slots (captionflow serve --lora-slots K)"
+    if rank < model.adapter.rank:
+        return f"the warm engine service's LoRA rank {rank} is below the adapter's {model.adapter.rank}"
+    return None
 
 
 @contextlib.contextmanager

@@ -135,16 +135,10 @@ class CaptionPass:
         is), gives what takes the captions as they come (or None). Rows that still failed after every pass are
         counted; more than ``max_failure_rate`` of them raises RowsFailed (with the result)."""
         t_start = time.perf_counter()
-        cfg, store, run = self.cfg, self.store, self.run
+        store, run = self.store, self.run
         passes = []
-        what = f"the run folder {store.url(*run)}"
-        with Lease(store, "/".join(run), what=what, wait_s=cfg.lease_wait_s) as lease:
-            self._write_run_json()
-            ledger = Ledger(store, run, CAPTIONS, CAPTION_SCHEMA, cfg.commit_rows, lease=lease,
-                            stall_timeout_s=cfg.stall_timeout_s, what="inference")  # fmt: skip
-            done = ledger.committed()
-            resumed_from = len(done & self.ids)
-            reused = self._reuse(ledger, self.ids - done, done)
+        with self.lease() as lease:
+            ledger, done, resumed_from, reused = self.open(lease)
             if self.progress:  # the folder is ours: an earlier attempt on it that did not finish is over
                 self.progress(len(done & self.ids), len(done & self.ids), len(self.ids), 0.0)
             taker = consumer(self)
@@ -160,6 +154,46 @@ class CaptionPass:
             log.info("captioning stopped, the %s's sequential verdict is in: %s", taker.what,
                      verdict_line(taker.verdict.record()))  # fmt: skip
         return self._result(passes, done, resumed_from, reused, taker)
+
+    def lease(self) -> Lease:
+        """The run folder's lease: one writer at a time."""
+        what = f"the run folder {self.store.url(*self.run)}"
+        return Lease(self.store, "/".join(self.run), what=what, wait_s=self.cfg.lease_wait_s)
+
+    def open(self, lease: Lease) -> tuple[Ledger, set[str], int, int]:
+        """The run folder, held (``lease``): its run.json written, its ledger, the images committed (those of other
+        folders' runs of the same checkpoint and settings committed here first), how many of them were committed
+        before and how many reused."""
+        store, run, cfg = self.store, self.run, self.cfg
+        self._write_run_json()
+        ledger = Ledger(store, run, CAPTIONS, CAPTION_SCHEMA, cfg.commit_rows, lease=lease,
+                        stall_timeout_s=cfg.stall_timeout_s, what="inference")  # fmt: skip
+        done = ledger.committed()
+        resumed_from = len(done & self.ids)
+        reused = self._reuse(ledger, self.ids - done, done)
+        return ledger, done, resumed_from, reused
+
+    def request(self, attempt: int, engine: EngineSettings, judged: bool = False) -> Callable[[dict], dict]:
+        """The preprocess of a pass: an image row as the request ``engine`` gets (``caption_request``)."""
+        cfg, model = self.cfg, self.model
+        inject = frozenset(x for x in os.environ.get(INJECT_ENV, "").split(",") if x)
+        return functools.partial(
+            caption_request,
+            image_prompt=image_prompt(model.path),
+            system_prompt=cfg.system_prompt,
+            prompt=cfg.prompt,
+            sampling={
+                "max_tokens": cfg.max_tokens,
+                "temperature": cfg.temperature,
+                "top_p": cfg.top_p,
+                "seed": cfg.seed,
+                "ignore_eos": cfg.ignore_eos,
+            },
+            fail_ids=inject if attempt == 0 else frozenset(),
+            grid=engine.image_grid,
+            judged=judged,
+            adapter=model.adapter.path if model.adapter else None,
+        )
 
     def _write_run_json(self) -> None:
         model, engine = self.model, self.engine
@@ -235,30 +269,12 @@ class CaptionPass:
         cfg, model, store, shards = self.cfg, self.model, self.store, self.shards
         fitted = fitted_folder(cfg, store, self.manifest, engine)
         judged = taker is not None and taker.judged
-        inject = frozenset(x for x in os.environ.get(INJECT_ENV, "").split(",") if x)
-        sampling = {
-            "max_tokens": cfg.max_tokens,
-            "temperature": cfg.temperature,
-            "top_p": cfg.top_p,
-            "seed": cfg.seed,
-            "ignore_eos": cfg.ignore_eos,
-        }
 
         def rows_for(attempt: int, pending: list[str]):
             processor = build_vlm_processor(
                 engine,
                 model_path,
-                preprocess=functools.partial(
-                    caption_request,
-                    image_prompt=image_prompt(model.path),
-                    system_prompt=cfg.system_prompt,
-                    prompt=cfg.prompt,
-                    sampling=sampling,
-                    fail_ids=inject if attempt == 0 else frozenset(),
-                    grid=engine.image_grid,
-                    judged=judged,
-                    adapter=model.adapter.path if model.adapter else None,
-                ),
+                preprocess=self.request(attempt, engine, judged),
                 postprocess=functools.partial(
                     to_judged_caption if judged else to_caption,
                     max_tokens=cfg.max_tokens,

@@ -121,14 +121,25 @@ def caption_request(
     (temperature -1, which vLLM rejects), for the tests of per-row failures. ``judged``: a judge takes the caption
     on in the same pass, and the image array with it (``JUDGE_IMAGE``: the engine stage takes the request's out
     of the row). ``adapter``: the LoRA adapter's folder the engine applies to this request (Ray Data LLM's
-    ``model`` column: a LoRA request where it differs from the engines' checkpoint)."""
+    ``model`` column: a LoRA request where it differs from the engines' checkpoint). A row of a shared pass
+    (``stages/shared_pass.py``) names its checkpoint itself: ``model`` and ``model_fingerprint``, carried on."""
     params = dict(sampling)
     if row["image_id"] in fail_ids:
         params["temperature"] = -1.0
+    shared = {k: row[k] for k in ("model", "model_fingerprint") if k in row}
     request = engine_request(row, image_prompt, system_prompt, prompt, params, grid)
     if adapter:
         request["model"] = adapter
+    request.update(shared)
     return {**request, JUDGE_IMAGE: request["multimodal_data"]["image"]} if judged else request
+
+
+def for_checkpoints(row: dict, *, models: dict[str, str], some: dict[str, list[str]]) -> list[dict]:
+    """A shared pass's fan-out (``stages/shared_pass.py``): the image row once for each checkpoint that lacks its
+    caption (``some``: those of the images that only some lack; every other image: each of ``models``), with Ray
+    Data LLM's ``model`` column (``models``: fingerprint -> the adapter's folder, or the engines' checkpoint for
+    the base) and its ``model_fingerprint``; each image's rows side by side, so that batches mix the adapters."""
+    return [{**row, "model": models[fp], "model_fingerprint": fp} for fp in some.get(row["image_id"], models)]
 
 
 def to_caption(row: dict, *, max_tokens: int, model_fp: str, attempt: int) -> dict:
@@ -140,7 +151,7 @@ def to_caption(row: dict, *, max_tokens: int, model_fp: str, attempt: int) -> di
         "finish_reason": "length" if n_out >= max_tokens else "stop",
         "num_input_tokens": int(row.get("num_input_tokens") or 0),
         "num_output_tokens": n_out,
-        "model_fingerprint": model_fp,
+        "model_fingerprint": row.get("model_fingerprint") or model_fp,
         "error": "",
         "attempt": attempt,
     }
@@ -163,7 +174,8 @@ def fixed_schema(row: dict, *, schema: pa.Schema, attempt: int, blank: dict) -> 
 
 def caption_fixed_schema(row: dict, *, model_fp: str, attempt: int) -> dict:
     blank = {"caption": "", "finish_reason": "error", "num_input_tokens": 0, "num_output_tokens": 0}
-    return fixed_schema(row, schema=CAPTION_SCHEMA, attempt=attempt, blank={**blank, "model_fingerprint": model_fp})
+    fp = row.get("model_fingerprint") or model_fp
+    return fixed_schema(row, schema=CAPTION_SCHEMA, attempt=attempt, blank={**blank, "model_fingerprint": fp})
 
 
 # ---------------------------------------------------------------- captioning and judging in one pass

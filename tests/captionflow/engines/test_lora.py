@@ -3,8 +3,6 @@ batches, each request getting what an engine of its own gives it."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -59,9 +57,10 @@ def test_one_engine_serves_the_base_and_two_adapters_in_one_batch_as_engines_of_
 
     # the engine a run of one adapter gets, and the same with a slot for each of two adapters (and the spare)
     one = resolve_engine(cfg, a1, CPU)
-    assert lora_kwargs(a1, CPU) == {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
-    assert {k: one.engine_kwargs[k] for k in ("enable_lora", "max_lora_rank", "max_loras")} == lora_kwargs(a1, CPU)
-    both = dataclasses.replace(one, engine_kwargs={**one.engine_kwargs, "max_loras": 3})
+    assert lora_kwargs([a1], CPU) == {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
+    assert {k: one.engine_kwargs[k] for k in ("enable_lora", "max_lora_rank", "max_loras")} == lora_kwargs([a1], CPU)
+    both = resolve_engine(cfg, base, CPU, together=[base, a1, a2])
+    assert both.engine_kwargs["max_loras"] == 3 and both.output_params() == one.output_params()
     mixed = _captions(
         both, base.path, [{"image_id": i, "adapter": a} for i in images for a in ("", a1.adapter.path, a2.adapter.path)]
     )

@@ -1,0 +1,43 @@
+"""Stage 3 for checkpoints of one base, before their runs: their captions in one shared pass (``compare``)."""
+
+from __future__ import annotations
+
+from prefect import task
+
+from captionflow.config import RunConfig
+from captionflow.data.storage import Store
+from captionflow.model_source import ResolvedModel
+from captionflow.results import InferenceResult, Manifest
+from captionflow.stages.inference import caption_run_parts
+from captionflow.stages.shared_pass import SharedPass
+from tasks.inference import ProgressArtifact
+from tasks.policy import TIMEOUT_S, retry_transient
+
+
+@task(
+    name="shared-pass",
+    timeout_seconds=TIMEOUT_S["shared-pass"],
+    retries=1,
+    retry_delay_seconds=[10],
+    retry_condition_fn=retry_transient,
+)
+def shared_pass_task(cfg: RunConfig, manifest: Manifest, models: list[ResolvedModel]) -> list[InferenceResult]:
+    """LoRA adapters of one base (and the base) captioned in one pass, each into its own run folder
+    (``stages/shared_pass.py``): the runs of each afterwards find their captions committed. A rerun after a
+    failure captions only what each checkpoint lacks."""
+    from captionflow.engines.engine import resolve_engine
+    from captionflow.engines.presets import PRESETS
+    from captionflow.preflight import resolve_device
+
+    device, gpus, local = resolve_device(cfg)
+    engine = resolve_engine(cfg, models[0], PRESETS[device], gpus, local, together=models)
+    store = Store(cfg.output)
+    folders = "+".join(store.path(*caption_run_parts(cfg, manifest, m, engine)) for m in models)
+    progress = ProgressArtifact(folders)
+    try:
+        results = SharedPass(cfg, manifest, models, engine, progress).run()
+    except BaseException as e:
+        progress.failed(e)
+        raise
+    progress.close()
+    return results
