@@ -1,14 +1,19 @@
 """LoRA adapters end to end on CPU: `captionflow run --model ADAPTER` over the built-in base, each adapter's captions
 its own (not the base's, not another adapter's), in a run folder and a leaderboard row of its own; what an adapter
-cannot be (a judge) refused in one line before any engine starts."""
+cannot be (a judge) refused in one line before any engine starts; compared, in one pass (killed -9 and resumed,
+exactly once); on a warm engine service with LoRA slots, without a swap."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
+import psutil
 import pyarrow.parquet as pq
 import pytest
 from warm_service import CLI, start_service
@@ -16,6 +21,15 @@ from warm_service import CLI, start_service
 from captionflow.builtin.demo_data import DEMO_CAPTIONS, ensure_demo_dataset
 
 pytestmark = pytest.mark.slow
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant (its Ray, the vLLM engine): a dead node."""
+    procs = psutil.Process(pid).children(recursive=True) + [psutil.Process(pid)]
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
+    psutil.wait_procs(procs, timeout=30)
 
 
 def _run(env, *args) -> subprocess.CompletedProcess:
@@ -53,20 +67,35 @@ def test_two_adapters_and_their_base_caption_as_three_checkpoints(env, tmp_path)
     assert {r["model"] for r in json.loads(board.stdout)} == {"builtin", *map(str, adapters.values())}
 
     # the three compared: captioned in one pass (each image's three requests side by side in the engine's
-    # batches), each into its own run folder, with the captions of its own run above
+    # batches), each into its own run folder, with the captions of its own run above. The first compare is killed
+    # (-9, with its Ray and engine) once a shard is committed; the second finishes each checkpoint's rest, exactly once
     out2 = tmp_path / "compared"
-    r = subprocess.run([*CLI, "compare", "builtin", *map(str, adapters.values()), "--device", "cpu", "--dataset",
-                        str(data), "--output", str(out2), "--summary-json", str(tmp_path / "compare.json")],
-                       env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    compare = [*CLI, "compare", "builtin", *map(str, adapters.values()), "--device", "cpu", "--dataset", str(data),
+               "--output", str(out2)]  # fmt: skip
+    small = ["--batch-size", "2", "--commit-rows", "2", "--max-concurrent-batches", "1"]
+    killed = subprocess.Popen([*compare, *small], env=env, stdout=open(tmp_path / "killed.log", "w"),  # noqa: SIM115
+                              stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    pattern, deadline = "runs/*/*/*/captions/*.parquet", time.time() + 600
+    while not list(out2.glob(pattern)):
+        assert killed.poll() is None and time.time() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
+        time.sleep(0.2)
+    _kill_tree(killed.pid)
+    before = [i for f in out2.glob(pattern) for i in pq.read_table(f).column("image_id").to_pylist()]
+    assert 0 < len(before) < 18, "the kill should land mid-pass"
+    r = subprocess.run([*compare, "--summary-json", str(tmp_path / "compare.json")], env=env, capture_output=True,
+                       text=True, timeout=900)  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     compared = json.loads((tmp_path / "compare.json").read_text())
     shared = compared["shared_pass"]
-    assert shared["captioned"] == [6, 6, 6] and shared["resumed_from"] == [0, 0, 0]
-    assert [(p["sent"], p["ok"]) for p in shared["passes"]] == [(18, 18)]  # one pass, every checkpoint's rows
+    assert shared["captioned"] == [6, 6, 6] and sum(shared["resumed_from"]) == len(before)
+    assert [(p["sent"], p["ok"]) for p in shared["passes"]] == [(18 - len(before),) * 2]  # one pass, the rest
     assert [run["engines"] for run in compared["runs"]] == ["per-run"] * 3  # each run: its captions were there
     assert [run["resumed_from"] for run in compared["runs"]] == [6, 6, 6]
     for name, run in zip(("base", "step-100", "step-200"), compared["runs"]):
         assert Path(run["run_dir"]).relative_to(out2) == Path(summaries[name]["run_dir"]).relative_to(out)
+        ids = [i for f in Path(run["run_dir"], "captions").glob("*.parquet")
+               for i in pq.read_table(f).column("image_id").to_pylist()]  # fmt: skip
+        assert len(ids) == len(set(ids)) == 6, name  # each image once: nothing lost or committed twice
         rows = pq.read_table(run["run_dir"] + "/captions").to_pylist()
         assert {r["image_id"]: r["caption"] for r in rows} == captions[name], name
     assert len(compared["leaderboard"]) == 3
