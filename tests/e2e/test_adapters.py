@@ -38,6 +38,7 @@ def _run(env, *args) -> subprocess.CompletedProcess:
 
 def test_two_adapters_and_their_base_caption_as_three_checkpoints(env, tmp_path):
     from captionflow.builtin.adapter import build_adapter
+    from captionflow.builtin.model import build_builtin_model
     from captionflow.model_source import resolve_model
 
     data = tmp_path / "golden"
@@ -105,9 +106,14 @@ def test_two_adapters_and_their_base_caption_as_three_checkpoints(env, tmp_path)
     serve = start_service(env, tmp_path / "serve.log", "--lora-slots", "2", "--lora-rank", "8")
     try:
         warm = {}
-        for name in ("step-100", "step-200", "base"):
-            model = adapters.get(name, "builtin")
-            r = _run(env, "--dataset", str(data), "--output", str(tmp_path / "warm"), "--model", str(model),
+        # then a full checkpoint swapped into the LoRA engines, and step-100 again: its base swapped back, checked,
+        # and the adapter's captions over it as before (a base not reloaded under LoRA's layers would change them)
+        full = build_builtin_model(tmp_path / "step-2000", seed=1)
+        models = {"base": "builtin", "full": full, "step-100-again": adapters["step-100"]}
+        for name in ("step-100", "step-200", "base", "full", "step-100-again"):
+            root = tmp_path / ("warm-again" if name.endswith("again") else "warm")  # not its captions above again
+            model = str(models.get(name) or adapters[name])
+            r = _run(env, "--dataset", str(data), "--output", str(root), "--model", model,
                      "--summary-json", str(tmp_path / f"warm-{name}.json"))  # fmt: skip
             assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
             warm[name] = json.loads((tmp_path / f"warm-{name}.json").read_text())
@@ -116,11 +122,16 @@ def test_two_adapters_and_their_base_caption_as_three_checkpoints(env, tmp_path)
     finally:
         subprocess.run([*CLI, "serve", "--stop"], env=env, capture_output=True, text=True, timeout=300)
         serve.wait(timeout=120)
-    assert info["swaps"] == 0 and info["lora_rank"] == 8, info  # the base stayed loaded throughout
+    assert info["swaps"] == 2 and info["lora_rank"] == 8, info  # to the full checkpoint and back, nothing else
+    assert [s["engines"] for s in warm.values()] == ["warm (loaded)"] * 3 + ["warm (swapped)"] * 2
     for name, s in warm.items():
-        assert s["engines"] == "warm (loaded)" and s["counts"]["captioned"] == 6, (name, s["engines"])
+        assert s["counts"]["captioned"] == 6, name
         rows = pq.read_table(s["run_dir"] + "/captions").to_pylist()
-        assert {r["image_id"]: r["caption"] for r in rows} == captions[name], name
+        got = {r["image_id"]: r["caption"] for r in rows}
+        if name == "full":
+            assert got != captions["base"]  # the swap changed the weights
+        else:
+            assert got == captions[name.removesuffix("-again")], name
 
     # the judge judges with a full checkpoint: an adapter as the judge is one line, before any engine
     r = _run(env, "--dataset", str(data), "--output", str(out), "--model", str(adapters["step-100"]), "--judge")
