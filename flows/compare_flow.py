@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from typing import Optional
 
 from prefect import flow, get_run_logger, task
 from prefect.futures import wait
@@ -75,13 +76,16 @@ def compare_checkpoints(config: RunConfig, models: tuple[str, ...] = ("builtin",
     return {"runs": runs, "leaderboard": rows, "models": [m.fingerprint for m in resolved], "shared_pass": shared}
 
 
-def _shared_pass(config: RunConfig, first: RunConfig, resolved) -> dict:
+def _shared_pass(config: RunConfig, first: RunConfig, resolved) -> Optional[dict]:
     """The checkpoints' captions, all in one pass (``stages/shared_pass.py``), after the first one's preflight
-    (every check but the model's: each run's own preflight checks it again); what the pass did."""
+    (every check but the model's: each run's own preflight checks it again); what the pass did (None: no shared
+    pass, a warm engine service runs)."""
     preflight_task(first.model_copy(update={"warm_engines": "off"}))  # adapters never run on the warm service
     with stage_results(config.output):  # once: every run finds it done (Cached)
         manifest = preprocess_task(opaque(ingest_task(config)), config)
     results = shared_pass_task(config, manifest, resolved)
+    if results is None:
+        return None
     get_run_logger().info(
         "captioned %d checkpoints of one base in one pass: %s", len(results),
         ", ".join(f"{m.source} {r.captioned}/{r.accepted}" for m, r in zip(resolved, results)),

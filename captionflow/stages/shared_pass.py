@@ -63,11 +63,12 @@ class SharedPass:
         if why := shareable(models):
             raise ValueError(f"a shared pass: {why}")
         unique = {m.fingerprint: m for m in models}
-        self.cfg, self.engine, self.progress = cfg, engine, progress
+        self.cfg, self.models, self.engine, self.progress = cfg, list(models), engine, progress
         self.passes = [CaptionPass(cfg, manifest, m, engine) for m in unique.values()]
 
     def run(self) -> list[InferenceResult]:
-        """Caption what each checkpoint lacks; each checkpoint's result, in ``models``' order (one each)."""
+        """Caption what each checkpoint lacks; each of ``models``' result, in their order (a checkpoint named twice:
+        its result twice)."""
         t_start = time.perf_counter()
         passes = []
         with contextlib.ExitStack() as held:
@@ -80,13 +81,13 @@ class SharedPass:
             if todo - done:
                 passes = self._passes(ledgers, todo, done)
         seconds = round(time.perf_counter() - t_start, 2)
-        results = []
+        results = {}
         for p, (_, _, resumed_from, reused) in zip(self.passes, opened):
             p.timings["inference_s"] = seconds
             p.engines = f"shared pass ({len(self.passes)} checkpoints of one base)"
             mine = {i for fp, i in done if fp == p.model.fingerprint}
-            results.append(p._result(passes, mine, resumed_from, reused, None))
-        return results
+            results[p.model.fingerprint] = p._result(passes, mine, resumed_from, reused, None)
+        return [results[m.fingerprint] for m in self.models]
 
     def _passes(self, ledgers: Ledgers, todo: set, done: set):
         cfg, first = self.cfg, self.passes[0]

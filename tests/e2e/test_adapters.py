@@ -117,12 +117,21 @@ def test_two_adapters_and_their_base_caption_as_three_checkpoints(env, tmp_path)
                      "--summary-json", str(tmp_path / f"warm-{name}.json"))  # fmt: skip
             assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
             warm[name] = json.loads((tmp_path / f"warm-{name}.json").read_text())
+        # a compare while the service runs: no shared pass beside it (its engines hold the GPUs), each run uses it
+        r = subprocess.run([*CLI, "compare", *map(str, adapters.values()), "--device", "cpu", "--dataset", str(data),
+                            "--output", str(tmp_path / "compared-warm"), "--summary-json",
+                            str(tmp_path / "compare-warm.json")], env=env, capture_output=True, text=True,
+                           timeout=900)  # fmt: skip
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        compared_warm = json.loads((tmp_path / "compare-warm.json").read_text())
         status = subprocess.run([*CLI, "serve", "--status"], env=env, capture_output=True, text=True, timeout=300)
         info = json.loads(status.stdout[status.stdout.index("{") :])
     finally:
         subprocess.run([*CLI, "serve", "--stop"], env=env, capture_output=True, text=True, timeout=300)
         serve.wait(timeout=120)
     assert info["swaps"] == 2 and info["lora_rank"] == 8, info  # to the full checkpoint and back, nothing else
+    assert compared_warm["shared_pass"] is None
+    assert [run["engines"] for run in compared_warm["runs"]] == ["warm (loaded)"] * 2
     assert [s["engines"] for s in warm.values()] == ["warm (loaded)"] * 3 + ["warm (swapped)"] * 2
     for name, s in warm.items():
         assert s["counts"]["captioned"] == 6, name
