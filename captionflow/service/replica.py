@@ -40,6 +40,34 @@ def _embedding_digest(worker, rows: int = DIGEST_ROWS) -> tuple[str, str]:
     return "", ""
 
 
+MARKED = ("float16", "bfloat16", "float32")  # the weight dtypes a reload is checked for (``_mark_weights``)
+
+
+def _mark_weights(worker) -> int:
+    """Runs in each vLLM worker before a reload: every weight of a ``MARKED`` dtype set to NaN, so that one the reload
+    does not write is found after it (``_unwritten``); returns how many. (vLLM 0.32's ``reset_weights`` zeroes them
+    instead, and ``compute_weight_checksums`` hashes each: zero is a weight a checkpoint may hold, NaN is not.)"""
+    n = 0
+    for param in worker.model_runner.model.parameters():
+        if str(param.dtype).replace("torch.", "") in MARKED:
+            param.data.fill_(float("nan"))
+            n += 1
+    return n
+
+
+def _unwritten(worker, most: int = 5) -> tuple[int, list[str]]:
+    """Runs in each vLLM worker after a reload: how many ``MARKED`` weights are still NaN, and the first ``most``
+    names."""
+    import torch
+
+    names = [
+        name
+        for name, param in worker.model_runner.model.named_parameters()
+        if str(param.dtype).replace("torch.", "") in MARKED and bool(torch.isnan(param.detach()).any())
+    ]
+    return len(names), names[:most]
+
+
 def checkpoint_digest(model_path: str, dtype: str, rows: int = DIGEST_ROWS) -> str:
     """The same digest computed from a checkpoint's safetensors files, cast to the engine's dtype."""
     from pathlib import Path
@@ -87,6 +115,9 @@ class CaptionEngine:
             self.udfs.append(stage.fn(**kwargs["fn_constructor_kwargs"]))
         self.llm = self.udfs[-1].llm  # the engine stage's vLLM engine wrapper
         self.model_path, self.model_fingerprint = model_path, model_fingerprint
+        # every weight checked after a swap (``_mark_weights``), not only the embedding; a quantized engine's
+        # weights are re-derived at load (scales, packed layouts): the embedding alone there
+        self.marks = not engine.engine_kwargs.get("quantization")
         self.started_s = round(time.perf_counter() - t0, 2)
         self.rows = 0  # rows captioned since the replica started
         self._judges: dict[str, Any] = {}  # a judge engine's application -> its handle (``caption_block``'s then)
@@ -140,6 +171,8 @@ class CaptionEngine:
         if delay:
             await asyncio.sleep(delay)
         engine = self.llm.engine
+        if self.marks:
+            await engine.collective_rpc(_mark_weights)
         await engine.collective_rpc("reload_weights", kwargs={"weights_path": model_path})
         # what the engine computed with the old weights must go: the prefix cache (the system prompt's KV) and
         # the image encoder's outputs (the same images come again) would be reused for the new ones
@@ -156,8 +189,16 @@ class CaptionEngine:
 
     async def check(self, model_path: str) -> Optional[str]:
         """None when this engine holds ``model_path``'s weights, else why not: the loaded embedding against the
-        file's, both read here, where torch is loaded already (a run's driver need not import it)."""
-        return weights_problem(model_path, await self.weights_digest())
+        file's, both read here, where torch is loaded already (a run's driver need not import it), and after a
+        swap every weight written by it (``_unwritten``)."""
+        problem = weights_problem(model_path, await self.weights_digest())
+        if problem is None and self.marks:
+            found = await self.llm.engine.collective_rpc(_unwritten)
+            n = sum(count for count, _ in found)
+            if n:
+                names = [name for _, some in found for name in some]
+                problem = f"the reload did not write {n} of the engine's weights ({', '.join(names[:3])}, ...)"
+        return problem
 
     async def loaded(self) -> dict[str, Any]:
         return {

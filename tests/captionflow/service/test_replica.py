@@ -53,3 +53,24 @@ def test_an_engine_holding_a_checkpoint_passes_the_check_and_one_holding_another
 def test_an_unreadable_embedding_or_a_checkpoint_without_one_fails_the_check(checkpoints, tmp_path):
     assert "could not be read" in weights_problem(checkpoints[0], ("", ""))
     assert "no embedding" in weights_problem(str(tmp_path), ("float32", "ab" * 32))
+
+
+def test_a_weight_the_reload_does_not_write_is_found(checkpoints):
+    """Every floating-point weight is marked (NaN) before a swap's reload; one the reload leaves unwritten is found
+    after it, by name, not only a wrong embedding."""
+    import torch
+
+    from captionflow.service.replica import _mark_weights, _unwritten
+
+    worker = _engine_worker(checkpoints[0], torch.bfloat16)
+    worker.model_runner.model.proj = torch.nn.Linear(4, 4, dtype=torch.float32)
+    worker.model_runner.model.ids = torch.nn.Parameter(torch.arange(4), requires_grad=False)  # not a float: kept
+    before = _embedding_digest(worker)
+    assert _mark_weights(worker) == 3  # the embedding, the projection's weight and bias
+    assert _unwritten(worker) == (3, ["language_model.embed_tokens.weight", "proj.weight", "proj.bias"])
+    reloaded = _engine_worker(checkpoints[0], torch.bfloat16).model_runner.model.language_model
+    with torch.no_grad():  # the reload writes the embedding only
+        worker.model_runner.model.language_model.embed_tokens.weight.copy_(reloaded.embed_tokens.weight)
+    assert _embedding_digest(worker) == before  # what the embedding check alone would pass
+    assert _unwritten(worker) == (2, ["proj.weight", "proj.bias"])
+    assert worker.model_runner.model.ids.tolist() == [0, 1, 2, 3]
