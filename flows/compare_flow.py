@@ -80,7 +80,8 @@ def _shared_pass(config: RunConfig, first: RunConfig, resolved) -> Optional[dict
     """The checkpoints' captions, all in one pass (``stages/shared_pass.py``), after the first one's preflight
     (every check but the model's: each run's own preflight checks it again); what the pass did (None: no shared
     pass, a warm engine service runs)."""
-    preflight_task(first.model_copy(update={"warm_engines": "off"}))  # adapters never run on the warm service
+    # warm_engines off: no hold on a warm service taken at preflight, which no inference stage here would take over
+    preflight_task(first.model_copy(update={"warm_engines": "off"}))
     with stage_results(config.output):  # once: every run finds it done (Cached)
         manifest = preprocess_task(opaque(ingest_task(config)), config)
     results = shared_pass_task(config, manifest, resolved)

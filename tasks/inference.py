@@ -146,6 +146,16 @@ class ProgressArtifact:
         if self._sender is not None:
             self._sender.join(timeout_s)
 
+    def __enter__(self) -> ProgressArtifact:
+        return self
+
+    def __exit__(self, kind, e, tb) -> None:
+        """The attempt's end: what is left sent, or (an error) its artifact says where and why."""
+        if e is None:
+            self.close()
+        else:
+            self.failed(e)
+
     def failed(self, e: BaseException) -> None:
         """This attempt ends with ``e``: its artifact says where and why."""
         from prefect.artifacts import update_progress_artifact
@@ -242,13 +252,7 @@ def inference_task(cfg: RunConfig, manifest: Manifest, checked: PreflightResult)
     store = Store(cfg.output)
     deadline = for_run(cfg.deadline, cfg.deadline_margin_s, flow_run.scheduled_start_time)
     at_risk = functools.partial(emit_at_risk, cfg, store.url(*run), deadline) if deadline else None
-    progress = ProgressArtifact(store.path(*run), deadline=deadline, at_risk=at_risk)
-    try:
-        result = run_inference(
+    with ProgressArtifact(store.path(*run), deadline=deadline, at_risk=at_risk) as progress:
+        return run_inference(
             cfg, manifest, checked.model, checked.engine, progress, checked.clip, checked.judge, checked.judge_engine
         )
-    except BaseException as e:
-        progress.failed(e)
-        raise
-    progress.close()
-    return result

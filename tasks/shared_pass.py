@@ -46,11 +46,5 @@ def shared_pass_task(
     engine = resolve_engine(cfg, models[0], PRESETS[device], gpus, local, together=models)
     store = Store(cfg.output)
     folders = "+".join(store.path(*caption_run_parts(cfg, manifest, m, engine)) for m in models)
-    progress = ProgressArtifact(folders)
-    try:
-        results = SharedPass(cfg, manifest, models, engine, progress).run()
-    except BaseException as e:
-        progress.failed(e)
-        raise
-    progress.close()
-    return results
+    with ProgressArtifact(folders) as progress:
+        return SharedPass(cfg, manifest, models, engine, progress).run()

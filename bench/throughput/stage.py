@@ -86,16 +86,14 @@ def phase_stage(a: argparse.Namespace) -> dict:
     timed = [commit_times(res.run_dir) for res in results]  # each checkpoint's run folder
     stamps, out_tok = sorted(s for t in timed for s in t[0]), sum(t[1] for t in timed)
     in_tok = sum(t[2] for t in timed) / len(timed)
-    res = results[0]
-    res.captioned, res.failed = sum(x.captioned for x in results), sum(x.failed for x in results)
-    r = pipeline_rates(res.captioned, t_start, stamps, out_tok)
+    r = pipeline_rates(sum(x.captioned for x in results), t_start, stamps, out_tok)
     r["checkpoints"] = len(results)  # rows = images x checkpoints
     r["rows_per_engine"] = sorted(save_engine_logs(Path(a.work) / "phase-stage-engines.log").values())
     if "t10" in r:
         r["engine_load_10_90"] = engine_load(r["t10"], r["t90"], a.max_tokens)
     r.update(
         {
-            "failed": res.failed,
+            "failed": sum(x.failed for x in results),
             "mean_input_tokens": round(in_tok, 1),
             "output_tokens": out_tok,
             "engines": engine.concurrency,

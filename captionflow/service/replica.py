@@ -43,13 +43,17 @@ def _embedding_digest(worker, rows: int = DIGEST_ROWS) -> tuple[str, str]:
 MARKED = ("float16", "bfloat16", "float32")  # the weight dtypes a reload is checked for (``_mark_weights``)
 
 
+def _marked(param) -> bool:
+    return str(param.dtype).replace("torch.", "") in MARKED
+
+
 def _mark_weights(worker) -> int:
     """Runs in each vLLM worker before a reload: every weight of a ``MARKED`` dtype set to NaN, so that one the reload
     does not write is found after it (``_unwritten``); returns how many. (vLLM 0.32's ``reset_weights`` zeroes them
     instead, and ``compute_weight_checksums`` hashes each: zero is a weight a checkpoint may hold, NaN is not.)"""
     n = 0
     for param in worker.model_runner.model.parameters():
-        if str(param.dtype).replace("torch.", "") in MARKED:
+        if _marked(param):
             param.data.fill_(float("nan"))
             n += 1
     return n
@@ -63,7 +67,7 @@ def _unwritten(worker, most: int = 5) -> tuple[int, list[str]]:
     names = [
         name
         for name, param in worker.model_runner.model.named_parameters()
-        if str(param.dtype).replace("torch.", "") in MARKED and bool(torch.isnan(param.detach()).any())
+        if _marked(param) and bool(torch.isnan(param.detach()).any())
     ]
     return len(names), names[:most]
 
