@@ -564,19 +564,54 @@ def _version() -> str:
         return "(not installed)"
 
 
+class _Stopped(SystemExit):
+    """The exit a stop request (SIGTERM) asks for: status 128 + the signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signal = signum
+
+
 def _exit_on_term(signum, frame) -> None:
     """SIGTERM (a scheduler's stop, ``timeout``) ends the command as an exit does: Prefect records the flow run
     Crashed, then sends the signal again to the handler it found, this one, and the exit handlers run (the local
     Ray's shutdown, Prefect's events and its temporary server). With the default handler the process died at
     once, leaving the local Ray's agents running."""
-    raise SystemExit(128 + signum)
+    raise _Stopped(signum)
 
 
-def main(argv: list[str] | None = None) -> int:
+_REDELIVERED: list[int] = []
+
+
+def _stop_lost_in_a_finalizer(unraisable) -> None:
+    """``sys.unraisablehook``: Python runs a signal's handler wherever the main thread is, a finalizer
+    (``__del__``, a weakref callback) included, and there the exception it raises to stop the run (Prefect's
+    ``TerminationSignal``, this module's ``_Stopped``) is printed and dropped: the run went on to its end as if
+    never asked to stop (CI: a SIGTERM during preflight, the run ended 31 s later on its own error). The signal
+    is sent again, from outside the finalizer (a few times at most); any other unraisable error is printed as
+    Python prints it."""
+    signum = getattr(unraisable.exc_value, "signal", None)
+    exiting = unraisable.object is threading  # the interpreter's exit, waiting for threads: it ends anyway
+    if not isinstance(signum, int) or exiting or len(_REDELIVERED) >= 3:
+        sys.__unraisablehook__(unraisable)
+        return
+    _REDELIVERED.append(signum)
+    again = threading.Timer(0.05, os.kill, args=(os.getpid(), signum))
+    again.daemon = True
+    again.start()
+
+
+def _stop_on_term() -> None:
+    """A stop request (SIGTERM) ends the command (``_exit_on_term``), lost in a finalizer or not."""
     import signal
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_term)
+        sys.unraisablehook = _stop_lost_in_a_finalizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    _stop_on_term()
     # No network at run time: the temporary Prefect server's telemetry would try (and log an ERROR).
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # The temporary server Prefect starts without PREFECT_API_URL has 20 s to come up by default: not

@@ -321,3 +321,64 @@ def test_a_killed_runs_temporary_prefect_server_ends_with_it(tmp_path):
                     p.kill()
             except (OSError, psutil.Error):
                 pass
+
+
+_STOPPED_IN_A_FINALIZER = """
+import os, signal, sys, time
+from flows.cli import _stop_on_term
+
+class Finalized:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100_000):  # the stop's handler runs here, in the finalizer, and its exception is dropped
+            pass
+
+def body():
+    Finalized()
+    print("went on", flush=True)
+    time.sleep(30)
+
+_stop_on_term()
+if sys.argv[1] == "flow":
+    from prefect import flow, runtime
+
+    @flow(name="stopped-in-a-finalizer")
+    def stopped():
+        print("flow run", runtime.flow_run.id, flush=True)
+        body()
+
+    stopped()
+else:
+    body()
+"""
+
+
+@pytest.mark.parametrize("where", ["flow", "command"])
+def test_a_stop_whose_exception_a_finalizer_dropped_still_ends_the_run(prefect_api, tmp_path, where):
+    """A SIGTERM whose handler ran inside a finalizer (its exception printed and dropped by Python) let the run go
+    on to its end. Sent again from outside it, the stop ends the process (143) and, in a flow, the run Crashed."""
+    import os
+    import re
+    import subprocess
+    import sys
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(root)}
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", _STOPPED_IN_A_FINALIZER, where], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert "went on" in out, out[-3000:]  # the first delivery was dropped in the finalizer
+    assert proc.returncode == 143, out[-3000:]
+    assert time.monotonic() - t0 < 25, out[-3000:]  # not the 30 s the body sleeps
+    assert "Traceback" not in out, out[-3000:]
+    if where == "flow":
+        run_id = re.search(r"flow run (\S+)", out).group(1)
+        with get_client(sync_client=True) as client:
+            assert client.read_flow_run(run_id).state.type.value == "CRASHED"
